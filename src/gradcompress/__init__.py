@@ -1,0 +1,11 @@
+"""gradcompress: fewer bytes for data-parallel PyTorch training.
+
+Public names: :func:`make`, :func:`available`, :class:`Codec`, :class:`Payload`,
+:class:`Compressor`, :func:`register_ddp_hook` and the :mod:`gradcompress.optim` package.
+"""
+
+from .codecs import Aggregation, Codec, Payload
+from .spec import available, make
+
+__all__ = ["Aggregation", "Codec", "Payload", "available", "make"]
+__version__ = "0.1.0"

@@ -1,0 +1,161 @@
+"""The codec contract: ``Codec.encode(x, seed=) -> Payload`` and ``Codec.decode(payload) -> Tensor``.
+
+A codec is pure: no ``torch.distributed``, no hidden state, randomness only from the
+seed it is given (a private ``torch.Generator``; the global RNG is never reseeded).
+``Payload.tensors`` is exactly what travels; the shape, dtype and numel needed to
+rebuild the input stay local and are not counted in ``Payload.nbytes``.
+
+Each codec declares how its payloads aggregate, so the exchange layer can pick the
+collective from the codec alone:
+
+* ``SUM``        payload tensors of equal layout can be added elementwise (all-reduce);
+* ``REQUANTIZE`` codes are decoded, summed and re-encoded per chunk (two-step reduce);
+* ``GATHER``     payloads are gathered from every rank and decoded one by one;
+* ``LOWRANK``    the exchange drives the codec's rounds itself (PowerSGD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+from .. import spec as _spec
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class Aggregation(enum.Enum):
+    SUM = "sum"
+    REQUANTIZE = "requantize"
+    GATHER = "gather"
+    LOWRANK = "lowrank"
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """What a codec produced for one tensor.
+
+    ``tensors``: the data that travels (and nothing else). ``shape``/``dtype``: the
+    input's, kept locally to rebuild it. ``seed``: the seed used, kept locally (codecs
+    such as randomk regenerate their positions from it instead of sending them).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    seed: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the sum of the sizes of ``tensors``."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def replace(self, tensors: tuple[torch.Tensor, ...]) -> "Payload":
+        """The same local metadata with other data (e.g. payload tensors received from another rank)."""
+        return dataclasses.replace(self, tensors=tuple(tensors))
+
+
+def check_input(x: Any, codec_name: str) -> None:
+    """Raise ``TypeError`` unless ``x`` is a real floating-point tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{codec_name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{codec_name}: cannot compress a tensor of dtype {str(x.dtype).replace('torch.', '')}; "
+                        f"allowed dtypes: {allowed}")
+
+
+def generator(seed: int, device: torch.device) -> torch.Generator:
+    """A private generator seeded with ``seed`` on ``device``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def fresh_seed() -> int:
+    """A seed drawn from the global RNG, for encodes called without one."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """Base class. Subclasses are frozen dataclasses whose fields are their options.
+
+    Subclasses implement ``_encode(flat, seed) -> tuple[Tensor, ...]`` on a contiguous
+    1-D tensor (in the input's dtype) and ``_decode(tensors, numel, seed, device) -> Tensor``
+    returning a 1-D float tensor; the base class handles shapes, dtypes and seeds.
+    """
+
+    name = "codec"
+    aggregation = Aggregation.GATHER
+    #: True when the payload layout (tensor sizes) depends only on numel, so received
+    #: payloads can be read with the local layout and no size exchange is needed.
+    fixed_layout = True
+    #: True when a non-finite input always gives a non-finite decoded output.
+    preserves_nonfinite = True
+    #: True when every rank must encode with the same seed (randomk's shared positions).
+    shared_seed = False
+    #: True when the codec draws random numbers (so a seed matters).
+    stochastic = False
+
+    def __post_init__(self) -> None:
+        _spec.validate(self)
+
+    # ----------------------------------------------------------------- public API
+    def encode(self, x: torch.Tensor, *, seed: int | None = None) -> Payload:
+        check_input(x, self.name)
+        if seed is None and (self.stochastic or self.shared_seed):
+            seed = fresh_seed()
+        flat = x.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        tensors = self._encode(flat, seed) if flat.numel() else ()
+        return Payload(tuple(tensors), x.shape, x.dtype, seed)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        n = payload.numel
+        if n == 0:
+            return torch.zeros(payload.shape, dtype=payload.dtype)
+        device = payload.tensors[0].device
+        flat = self._decode(payload.tensors, n, payload.seed, device)
+        return flat.to(payload.dtype).reshape(payload.shape)
+
+    def wire_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one encode of a tensor of ``numel`` elements sends (fixed-layout codecs)."""
+        x = torch.zeros(numel, dtype=dtype)
+        return self.encode(x, seed=0).nbytes
+
+    @property
+    def spec(self) -> str:
+        """A canonical spec string (every option spelled out) that :func:`make` reads back."""
+        parts = []
+        for f in dataclasses.fields(self):
+            if not f.init:
+                continue
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if isinstance(v, Codec):
+                v = v.name if v == _spec.make(v.name) else "{" + v.spec + "}"
+            elif isinstance(v, bool):
+                v = "true" if v else "false"
+            parts.append(f"{f.name}={v}")
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    # ----------------------------------------------------------------- to implement
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,92 @@
+"""PowerSGD low-rank compression (``powersgd``; Vogels et al., 2019).
+
+A gradient is viewed as a matrix M (n x m: first dimension by the rest) and sent as
+the rank-``rank`` factors P (n x r) and Q (m x r) of one power-iteration step:
+P = M Q, P orthonormalised, Q = M^T P, decoded as P Q^T. Wire size (n + m) * r floats
+instead of n * m. Bias: biased (a projection, it drops the tail of the spectrum) and
+exact for a matrix of rank <= r; use with error feedback. Tensors with fewer than two
+dimensions, and those whose factors would not be at least ``min_compression_rate``
+times smaller than the tensor, are sent dense.
+
+This codec is the single-process round trip (a fresh Q drawn from the seed). The
+distributed algorithm (P and Q all-reduced in two rounds, Q warm-started from the
+previous step, shared by all ranks) is driven by :mod:`gradcompress.exchange` with the
+helpers below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..spec import Range, option, register
+from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator
+
+
+def matrix_shape(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[int, int] | None:
+    """(n, m) of the matrix view, or None when the tensor is sent dense."""
+    if len(shape) < 2:
+        return None
+    n = shape[0]
+    m = 1
+    for s in shape[1:]:
+        m *= s
+    r = min(rank, n, m)
+    if n * m == 0 or (n + m) * r * min_compression_rate > n * m:
+        return None
+    return n, m
+
+
+def orthonormalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``p`` (in place), with eps against division by zero.
+
+    Never raises on NaN/Inf (they propagate); every rank that holds the same ``p`` gets
+    the same result.
+    """
+    for i in range(p.shape[1]):
+        col = p[:, i : i + 1]
+        if i:
+            prev = p[:, :i]
+            col -= prev @ (prev.T @ col)
+        col /= torch.linalg.vector_norm(col) + eps
+    return p
+
+
+def initial_q(m: int, rank: int, seed: int, device, dtype=torch.float32) -> torch.Tensor:
+    """A standard normal m x rank matrix drawn from ``seed`` (the same on every rank)."""
+    return torch.randn(m, rank, generator=generator(seed, device), device=device, dtype=dtype)
+
+
+@register("powersgd")
+@dataclasses.dataclass(frozen=True)
+class PowerSGD(Codec):
+    """Rank-``rank`` PowerSGD factors; see the module docstring for what is sent and when to use it."""
+
+    rank: int = option(1, range=Range(1, None), doc="rank of the approximation (1 to 4 are typical)")
+    alternate: bool = option(False, doc="one all-reduce per step, alternating P and Q steps (Compressor)")
+    min_compression_rate: float = option(2.0, range=Range(1, None), doc="send dense below this saving")
+    aggregation = Aggregation.LOWRANK
+    stochastic = True
+
+    def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
+        return matrix_shape(shape, self.rank, self.min_compression_rate)
+
+    def encode(self, x: torch.Tensor, *, seed: int | None = None) -> Payload:
+        check_input(x, self.name)
+        seed = fresh_seed() if seed is None else seed
+        nm = self.matrix_shape(x.shape)
+        if nm is None:
+            return Payload((x.reshape(-1).contiguous(),), x.shape, x.dtype, seed)
+        n, m = nm
+        r = min(self.rank, n, m)
+        mat = x.reshape(n, m).float()
+        p = orthonormalize_(mat @ initial_q(m, r, seed, x.device))
+        q = mat.T @ p
+        return Payload((p, q), x.shape, x.dtype, seed)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        if len(payload.tensors) == 1:
+            return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+        p, q = payload.tensors
+        return (p @ q.T).to(payload.dtype).reshape(payload.shape)

@@ -1,0 +1,152 @@
+"""Sparsifiers: ``topk``, ``randomk``, ``threshold``, ``dgc`` (and top-k with quantised values).
+
+What is sent: the kept values (in the input's dtype, or encoded by the ``values`` codec,
+e.g. ``topk:ratio=0.01,values=int8``) and their positions as int32. ``randomk`` sends
+no positions: every rank draws them from the shared seed, so its payloads add up.
+
+Bias: ``topk``/``threshold``/``dgc`` are biased (they drop small values) and contract:
+||x - C(x)||^2 <= (1 - k/n) ||x||^2. Use them with error feedback. ``randomk`` is
+unbiased with ``scale=true`` (values multiplied by n/k), at a large variance.
+Top-k-type payloads are not summable (positions differ per rank): the exchange gathers
+them, so the bytes received grow with the number of workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..spec import Range, option, register
+from .base import Aggregation, Codec, Payload, generator
+
+_RATIO = Range(0, 1, lo_open=True)
+
+
+def kept_count(ratio: float, n: int) -> int:
+    """k = ceil(ratio * n), at least 1 for a non-empty tensor."""
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sparse(Codec):
+    """Values at selected positions + int32 positions; subclasses choose the positions."""
+
+    values: "Codec | None" = option(None, doc="codec for the kept values (e.g. int8); default: as they are")
+    aggregation = Aggregation.GATHER
+
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _encode(self, flat, seed):
+        idx = self._select(flat, seed)
+        vals = flat[idx]
+        head = (vals,) if self.values is None else self.values.encode(vals, seed=seed).tensors
+        return (*head, idx.to(torch.int32))
+
+    def _decode(self, tensors, numel, seed, device):
+        *head, idx = tensors
+        if self.values is None:
+            vals = head[0].float()
+        else:
+            vals = self.values.decode(Payload(tuple(head), torch.Size([idx.numel()]), torch.float32, seed))
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        return out.index_copy_(0, idx.long(), vals)
+
+
+@register("topk")
+@dataclasses.dataclass(frozen=True)
+class TopK(_Sparse):
+    """Exact top-k by magnitude (Aji & Heafield 2017; Stich et al. 2018): k = ceil(ratio * n) values + int32 indices."""
+
+    ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
+
+    def _select(self, flat, seed):
+        k = kept_count(self.ratio, flat.numel())
+        return torch.topk(flat.abs(), k, sorted=False).indices
+
+
+@register("threshold")
+@dataclasses.dataclass(frozen=True)
+class Threshold(_Sparse):
+    """Every element with |x| >= value (and every NaN), exactly, + int32 indices. Sizes vary per step."""
+
+    value: float = option(1e-3, range=Range(0, None), doc="magnitude threshold")
+    fixed_layout = False
+
+    def _select(self, flat, seed):
+        return torch.nonzero(~(flat.abs() < self.value)).reshape(-1)  # ~(<) keeps NaN
+
+
+@register("dgc")
+@dataclasses.dataclass(frozen=True)
+class DGC(_Sparse):
+    """Deep Gradient Compression's sparsifier (Lin et al., 2018): top-k through a sampled threshold.
+
+    The threshold is the k-th largest magnitude of a random sample (``sample`` of the
+    elements, at least 256), then every element at or above it is kept; more than 2k
+    kept: the k largest of those; fewer than k/2: an exact top-k. So about k values are
+    sent, never fewer than k/2 nor more than 2k, each at least as large as any dropped.
+    ``momentum``, ``masking``, ``clip`` and ``warmup_steps`` configure the stateful parts
+    (momentum correction, factor masking, local clipping, sparsity warm-up) that a
+    :class:`gradcompress.Compressor` applies; the codec alone is the sampled top-k.
+    """
+
+    ratio: float = option(0.01, range=_RATIO, doc="target fraction of elements kept")
+    sample: float = option(0.01, range=_RATIO, doc="fraction of elements sampled for the threshold")
+    momentum: float = option(0.9, range=Range(0, 1, hi_open=True), doc="momentum correction (Compressor)")
+    masking: bool = option(True, doc="momentum factor masking (Compressor)")
+    clip: float = option(0.0, range=Range(0, None), doc="local gradient clipping norm, 0 = off (Compressor)")
+    warmup_steps: int = option(0, range=Range(0, None), doc="sparsity warm-up steps (Compressor)")
+    fixed_layout = False
+    stochastic = True
+
+    def _select(self, flat, seed):
+        n = flat.numel()
+        k = kept_count(self.ratio, n)
+        mag = flat.abs()
+        if k * 2 >= n:
+            return torch.topk(mag, k, sorted=False).indices
+        m = min(n, max(256, math.ceil(self.sample * n)))
+        pos = torch.randint(0, n, (m,), generator=generator(seed, flat.device), device=flat.device)
+        kth = min(m, max(1, math.ceil(k * m / n)))
+        threshold = torch.topk(mag[pos], kth, sorted=False).values.min()
+        idx = torch.nonzero(~(mag < threshold)).reshape(-1)
+        if idx.numel() > 2 * k:
+            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
+        elif 2 * idx.numel() < k:
+            idx = torch.topk(mag, k, sorted=False).indices
+        return idx
+
+
+@register("randomk")
+@dataclasses.dataclass(frozen=True)
+class RandomK(Codec):
+    """k = ceil(ratio * n) values at positions drawn from the seed; positions are not sent.
+
+    Every rank must encode with the same seed (the exchange does this), so payloads
+    add up and one all-reduce suffices. ``scale=true`` multiplies by n/k: unbiased.
+    """
+
+    ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
+    scale: bool = option(False, doc="multiply kept values by n/k (unbiased)")
+    aggregation = Aggregation.SUM
+    shared_seed = True
+    preserves_nonfinite = False
+
+    def positions(self, n: int, seed: int, device) -> torch.Tensor:
+        k = kept_count(self.ratio, n)
+        if k == n:
+            return torch.arange(n, device=device)
+        return torch.randperm(n, generator=generator(seed, device), device=device)[:k]
+
+    def _encode(self, flat, seed):
+        vals = flat[self.positions(flat.numel(), seed, flat.device)]
+        if self.scale:
+            vals = vals * (flat.numel() / vals.numel())
+        return (vals,)
+
+    def _decode(self, tensors, numel, seed, device):
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        return out.index_copy_(0, self.positions(numel, seed, device), tensors[0].float())
