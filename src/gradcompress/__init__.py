@@ -5,7 +5,9 @@ Public names: :func:`make`, :func:`available`, :class:`Codec`, :class:`Payload`,
 """
 
 from .codecs import Aggregation, Codec, Payload
+from .compressor import Compressor
+from .ddp import register_ddp_hook
 from .spec import available, make
 
-__all__ = ["Aggregation", "Codec", "Payload", "available", "make"]
+__all__ = ["Aggregation", "Codec", "Compressor", "Payload", "available", "make", "register_ddp_hook"]
 __version__ = "0.1.0"

@@ -109,6 +109,8 @@ def _show(v: Any) -> str:
 # --------------------------------------------------------------------------- parsing
 def _parse_value(text: str) -> Any:
     low = text.strip().lower()
+    if low.startswith("{") and low.endswith("}"):  # a nested codec spec, e.g. {int8:bucket=128,stochastic=true}
+        return text.strip()[1:-1].strip()
     if low == "true":
         return True
     if low == "false":
@@ -123,6 +125,22 @@ def _parse_value(text: str) -> Any:
         return text.strip()
 
 
+def _split_options(rest: str, name: str) -> list[str]:
+    """Split at the commas outside braces, so a nested ``{codec:a=1,b=2}`` value stays whole."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "{") - (ch == "}")
+        if depth < 0:
+            break
+        if ch == "," and depth == 0:
+            items.append(rest[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"{name}: unbalanced braces in options {rest!r}; write a nested codec as key={{name:a=1,b=2}}")
+    items.append(rest[start:])
+    return items
+
+
 def parse(spec: str) -> dict[str, Any]:
     """Split ``"name:key=value,..."`` into ``{"name": name, key: value, ...}`` (values typed)."""
     if not isinstance(spec, str):
@@ -130,7 +148,7 @@ def parse(spec: str) -> dict[str, Any]:
     name, _, rest = spec.strip().partition(":")
     out: dict[str, Any] = {"name": name.strip()}
     if rest.strip():
-        for item in rest.split(","):
+        for item in _split_options(rest, name):
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"{name}: cannot read option {item!r}; write options as key=value separated by commas")

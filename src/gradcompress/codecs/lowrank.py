@@ -80,7 +80,7 @@ class PowerSGD(Codec):
             return Payload((x.reshape(-1).contiguous(),), x.shape, x.dtype, seed)
         n, m = nm
         r = min(self.rank, n, m)
-        mat = x.reshape(n, m).float()
+        mat = x.reshape(n, m).float().contiguous()  # same bits for any memory layout of x
         p = orthonormalize_(mat @ initial_q(m, r, seed, x.device))
         q = mat.T @ p
         return Payload((p, q), x.shape, x.dtype, seed)

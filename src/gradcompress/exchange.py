@@ -1,0 +1,259 @@
+"""Collectives chosen by a codec's algebra, driven as rounds, with byte accounting.
+
+This is the only module (with :mod:`gradcompress.optim`) that talks to
+``torch.distributed``. An exchange of one group of tensors is a *job*: a generator that
+issues asynchronous collectives, yields their work handles, and resumes when they have
+completed. :func:`drive` advances several jobs round by round, in the order they were
+created, so every rank issues the same collectives in the same order (no collective is
+ever launched from a future callback, which is how PyTorch's ``powerSGD_hook``
+deadlocks on gloo), while the first round of each job overlaps with whatever the
+caller does before driving (the backward pass, in the DDP hook).
+
+Byte accounting (``Collectives.wire_bytes``) counts what this rank transmits under
+bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
+
+* all-reduce: 2 (W-1)/W B (reduce-scatter + all-gather);
+* all-gather: (W-1) B (each rank forwards every other rank's block once);
+* all-to-all: (W-1)/W B (every block but its own);
+* W = 1: nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Generator, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .codecs.base import Aggregation, Codec, Payload
+
+Job = Generator[list, None, None]
+
+
+# --------------------------------------------------------------------- serialisation
+def to_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors as one flat uint8 buffer (their raw bytes)."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Size]]:
+    return [(t.dtype, t.shape) for t in tensors]
+
+
+def from_bytes(buf: torch.Tensor, spec: Sequence[tuple[torch.dtype, torch.Size]]) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`to_bytes` for a known layout ``[(dtype, shape), ...]``."""
+    out, offset = [], 0
+    for dtype, shape in spec:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        out.append(buf[offset : offset + nbytes].clone().view(dtype).reshape(shape))
+        offset += nbytes
+    return tuple(out)
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --------------------------------------------------------------------- collectives
+class Collectives:
+    """Asynchronous collectives on one process group, with byte and time accounting."""
+
+    def __init__(self, process_group=None):
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.wire_bytes = 0
+        self.comm_seconds = 0.0
+
+    def all_reduce(self, t: torch.Tensor):
+        self.wire_bytes += 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        return outs, dist.all_gather(outs, t, group=self.group, async_op=True)
+
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Equal splits: block j of ``t`` goes to rank j; block i of the result came from rank i."""
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
+        out = torch.empty_like(t)
+        return out, dist.all_to_all_single(out, t, group=self.group, async_op=True)
+
+    def wait(self, works: list) -> None:
+        start = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.comm_seconds += time.perf_counter() - start
+
+
+def drive(jobs: list[Job], comm: Collectives) -> None:
+    """Run jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
+    pending = []
+    for job in jobs:
+        try:
+            pending.append((job, next(job)))
+        except StopIteration:
+            pass
+    while pending:
+        still = []
+        for job, works in pending:
+            comm.wait(works)
+            try:
+                still.append((job, job.send(None)))
+            except StopIteration:
+                pass
+        pending = still
+
+
+def start(job: Job) -> Job:
+    """Run a job up to its first collective (issued asynchronously) and return a job that resumes it."""
+    try:
+        first = next(job)
+    except StopIteration:
+        first = None
+
+    def resumed() -> Job:
+        if first is None:
+            return
+        works = first
+        while True:
+            yield works
+            try:
+                works = job.send(None)
+            except StopIteration:
+                return
+
+    return resumed()
+
+
+# --------------------------------------------------------------------- exchange rounds
+Encoder = Callable[[torch.Tensor, int], Payload]
+
+
+def dense_mean(comm: Collectives, flat: torch.Tensor) -> Job:
+    """All-reduce ``flat`` in place and divide by the world size."""
+    if flat.numel():
+        yield [comm.all_reduce(flat)]
+        flat.div_(comm.world)
+
+
+def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:
+    """Summable payloads (already encoded from x / W): one all-reduce, decode into ``outs``."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in payloads:
+        for t in p.tensors:
+            groups.setdefault(t.dtype, []).append(t)
+    flats = {dt: torch.cat([t.reshape(-1) for t in ts]) for dt, ts in groups.items()}
+    yield [comm.all_reduce(f) for f in flats.values()]
+    offsets = dict.fromkeys(flats, 0)
+    for p, out in zip(payloads, outs):
+        summed = []
+        for t in p.tensors:
+            o = offsets[t.dtype]
+            summed.append(flats[t.dtype][o : o + t.numel()].view(t.shape))
+            offsets[t.dtype] = o + t.numel()
+        out.copy_(codec.decode(p.replace(tuple(summed))).reshape(out.shape))
+
+
+def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:
+    """All-gather every rank's payloads (sizes first if they vary), decode each, average into ``outs``."""
+    local = to_bytes([t for p in payloads for t in p.tensors])
+    if codec.fixed_layout:
+        layouts = [[layout(p.tensors) for p in payloads]] * comm.world
+        gathered, work = comm.all_gather(local)
+        yield [work]
+    else:
+        counts = torch.tensor([t.numel() for p in payloads for t in p.tensors] + [local.numel()], dtype=torch.int64,
+                              device=local.device)
+        all_counts, work = comm.all_gather(counts)
+        yield [work]
+        longest = max(int(c[-1]) for c in all_counts)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=local.device)
+        padded[: local.numel()] = local
+        gathered, work = comm.all_gather(padded)
+        layouts = []
+        for c in all_counts:
+            it = iter(c[:-1].tolist())
+            layouts.append([[(t.dtype, torch.Size([next(it)])) for t in p.tensors] for p in payloads])
+        yield [work]
+    for out in outs:
+        out.zero_()
+    for buf, rank_layout in zip(gathered, layouts):
+        offset = 0
+        for p, lay, out in zip(payloads, rank_layout, outs):
+            size = sum(s.numel() * torch.empty(0, dtype=d).element_size() for d, s in lay)
+            tensors = from_bytes(buf[offset : offset + size], lay)
+            offset += size
+            out.add_(codec.decode(p.replace(tensors)).reshape(out.shape))
+    for out in outs:
+        out.div_(comm.world)
+
+
+def chunk_numel(numel: int, world: int, block: int) -> int:
+    """Elements per rank's chunk in the two-step reduce: ceil(numel / world) rounded up to ``block``."""
+    per = -(-numel // world)
+    return -(-per // block) * block
+
+
+def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: list[torch.Tensor],
+                  reencode: Callable[[int, torch.Tensor], Payload]) -> Job:
+    """Two-step reduce of chunked payloads (qgZ / 1-bit Adam's compressed all-reduce).
+
+    ``chunks[k][j]`` is this rank's payload for chunk j of tensor k (every chunk of a
+    tensor has the same numel). Round 1: all-to-all, so rank j holds chunk j of every
+    rank; it decodes, averages and re-encodes them with ``reencode(k, mean_chunk)``.
+    Round 2: all-gather of the re-encoded chunks; every rank decodes all of them into
+    ``outs[k]`` (trimmed to its numel). Each rank sends about twice its compressed size.
+    """
+    world = comm.world
+    send = to_bytes([t for j in range(world) for per_tensor in chunks for t in per_tensor[j].tensors])
+    received, work = comm.all_to_all(send)
+    yield [work]
+    block_bytes = received.numel() // world
+    lays = [layout(per_tensor[comm.rank].tensors) for per_tensor in chunks]
+    sizes = [nbytes(per_tensor[comm.rank].tensors) for per_tensor in chunks]
+    mine = []
+    for k, per_tensor in enumerate(chunks):
+        template = per_tensor[comm.rank]
+        total = None
+        for i in range(world):
+            start_at = i * block_bytes + sum(sizes[:k])
+            tensors = from_bytes(received[start_at : start_at + sizes[k]], lays[k])
+            part = codec.decode(template.replace(tensors)).float()
+            total = part if total is None else total.add_(part)
+        mine.append(reencode(k, total.div_(world)))
+    gathered, work = comm.all_gather(to_bytes([t for p in mine for t in p.tensors]))
+    yield [work]
+    lays2 = [layout(p.tensors) for p in mine]
+    sizes2 = [nbytes(p.tensors) for p in mine]
+    for k, out in enumerate(outs):
+        flat = out.reshape(-1)
+        per = mine[k].numel
+        for i, buf in enumerate(gathered):
+            start_at = sum(sizes2[:k])
+            tensors = from_bytes(buf[start_at : start_at + sizes2[k]], lays2[k])
+            lo = i * per
+            hi = min(flat.numel(), lo + per)
+            if hi > lo:
+                flat[lo:hi].copy_(codec.decode(mine[k].replace(tensors))[: hi - lo])
+        if not out.is_contiguous() or flat.data_ptr() != out.data_ptr():
+            out.copy_(flat.view(out.shape))
+
+
+def split_chunks(flat: torch.Tensor, world: int, block: int) -> list[torch.Tensor]:
+    """``flat`` zero-padded to ``world`` equal chunks of :func:`chunk_numel` elements."""
+    per = chunk_numel(flat.numel(), world, block)
+    if per * world != flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, per * world - flat.numel()))
+    return list(flat.view(world, per))
+
+
+__all__ = ["Aggregation", "Collectives", "drive", "start", "dense_mean", "sum_mean", "gather_mean",
+           "two_step_mean", "split_chunks", "chunk_numel", "to_bytes", "from_bytes"]
