@@ -226,6 +226,11 @@ class Compressor:
         comm = self._comm
         self._totals["raw_bytes"] += sum(g.numel() * g.element_size() for g in grads)
         codec = codec_at(self.codec, self.step, self.warmup_steps, self.schedule, self.ramp_steps)
+        if codec is None or self.codec.name == "dgc":  # DGC: dense tensors get momentum correction too
+            dense_keys = keys if codec is None else [k for k, g in zip(keys, grads) if g.numel() < self.min_numel]
+            for k, g in zip(keys, grads):
+                if k in dense_keys and self.codec.name == "dgc" and self.codec.momentum > 0:
+                    g.copy_(self._momentum_step(self.codec, k, g.detach().float()))
         if codec is None:
             flat = buffer if buffer is not None else torch.cat([g.reshape(-1) for g in grads]) if grads else None
             if flat is not None:
@@ -265,15 +270,19 @@ class Compressor:
                 norm = torch.linalg.vector_norm(x)
                 x = x * (codec.clip / (math.sqrt(self._comm.world) * norm + 1e-12)).clamp(max=1.0)
             if codec.momentum > 0:
-                u = self.momentum.get(key)
-                u = x.clone() if u is None else u * codec.momentum + x
-                self._pending.append((self.momentum, key, u))
-                x = u
+                x = self._momentum_step(codec, key, x)
         if self.error_feedback and key in self.residual:
             x = x + self.residual[key]
         elif x.data_ptr() == grad.data_ptr():
             x = x.clone()
         return x
+
+    def _momentum_step(self, codec: Codec, key: int, x: torch.Tensor) -> torch.Tensor:
+        """DGC momentum correction: u = momentum * u + g (the optimizer then runs without momentum)."""
+        u = self.momentum.get(key)
+        u = x.clone() if u is None else u * codec.momentum + x
+        self._pending.append((self.momentum, key, u))
+        return u
 
     def _delivered(self, codec: Codec, key: int, x: torch.Tensor, delivered: torch.Tensor) -> None:
         """Record what this rank's compression delivered: new residual (and DGC momentum masking)."""
@@ -305,6 +314,11 @@ class Compressor:
                 self._delivered(codec, k, x, codec.decode(p).float())
                 payloads.append(p)
             yield from exchange.gather_mean(comm, codec, payloads, outs)
+        elif aggregation is Aggregation.REQUANTIZE and world == 1:  # nothing to reduce: no second quantisation
+            for k, x, out in zip(keys, inputs, outs):
+                delivered = codec.decode(codec.encode(x, seed=self._seed(k, codec))).float()
+                self._delivered(codec, k, x, delivered)
+                out.copy_(delivered)
         elif aggregation is Aggregation.REQUANTIZE:
             chunked = []
             for k, x in zip(keys, inputs):
