@@ -1,0 +1,450 @@
+"""1-bit Adam (Tang et al., 2021, "1-bit Adam: Communication Efficient Large-Scale
+Training with Adam's Convergence Speed"), as in DeepSpeed's ``OnebitAdam``.
+
+Two phases, per parameter, decided by the parameter's own step count:
+
+* **warm-up** (the first ``warmup_steps`` steps): the local gradients are averaged by a
+  dense float32 all-reduce and plain Adam runs on the average. This is
+  ``torch.optim.Adam`` exactly (same operations, same bias correction, same L2 weight
+  decay added to the gradient), so with the same averaged gradient the parameters
+  match ``torch.optim.Adam`` up to floating-point rounding of the all-reduce.
+* **compression** (afterwards): the variance ``exp_avg_sq`` is frozen. Each rank updates
+  the momentum from its *local* gradient, ``m_t = b1 m + (1 - b1) g``, and the momenta
+  are averaged by the two-step compressed all-reduce of :func:`gradcompress.exchange.two_step_mean`
+  with the ``sign`` codec (one bit per element plus one float32 scale per 512
+  elements):
+
+  1. worker side: ``x = m_t + worker_error``; ``x`` is cut into ``world`` chunks and
+     each chunk is 1-bit encoded; ``worker_error = x - decode(encode(x))``;
+  2. all-to-all: rank j receives every rank's chunk j, decodes and averages them,
+     adds its server residual ``server_error`` (one per parameter, of the chunk's size,
+     :func:`gradcompress.exchange.chunk_numel`), re-encodes, and keeps
+     ``server_error = input - decode(encoded)``;
+  3. all-gather of the re-encoded chunks: every rank decodes the same bytes, so the
+     averaged momentum, which becomes the new ``exp_avg``, is bit-identical everywhere.
+
+  The update is ``p -= lr / (1 - b1^t) * m / (sqrt(v_frozen) / sqrt(1 - b2^T_w) + eps)``.
+
+Bias correction (a choice, documented): DeepSpeed's ``OnebitAdam`` applies none. Here the
+warm-up uses Adam's correction so that it equals ``torch.optim.Adam``; after warm-up
+the momentum keeps Adam's ``1 - b1^t`` (t: the parameter's step, so it fades to 1) and
+the frozen variance keeps the correction of the step it was frozen at,
+``1 - b2^warmup_steps``, i.e. the update continues from exactly the Adam denominator
+of the last warm-up step. With ``warmup_steps=0`` the variance is never estimated: it
+stays zero, the correction is taken as 1 and the update is ``lr * m / eps`` (1-bit
+momentum SGD with learning rate ``lr / eps``); use a warm-up for Adam behaviour.
+
+Bytes: a compressed step sends about ``2 (W-1)/W * (n/8 + 4 n/512)`` bytes for n
+momentum elements (plus the rounding of each parameter's chunks to whole bytes), about
+1/30 of a dense float32 all-reduce's ``2 (W-1)/W * 4 n``. The codec keeps its default
+bucket of 512 elements: that already gives 1/30, and smaller buckets keep the scales
+closer to the data than DeepSpeed's one scale per chunk.
+
+Non-finite values: a step whose averaged gradient (warm-up) or averaged momentum
+(compression) holds an Inf or NaN is skipped on every rank (every rank sees the same
+averaged values, so the decision is the same everywhere): no state changes, no
+parameter update, counted in ``stats()["skipped"]``. This keeps the error buffers
+from being poisoned for good; it differs from ``torch.optim.Adam``, which would write
+the NaN into the parameters.
+
+Known limitation (as DeepSpeed without ``exp_avg_mask``): elements whose gradient was
+exactly zero for the whole warm-up have a frozen variance of 0; the 1-bit momentum
+cannot represent an exact zero inside a bucket with non-zero elements, so such elements
+get updates of order ``lr * scale / eps``. Freeze them (``requires_grad=False``) or
+give them their own optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import warnings
+from itertools import chain
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import exchange
+from ..spec import make
+
+#: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
+CODEC_SPEC = "sign:bucket=512"
+#: each parameter's chunks in the two-step reduce are a multiple of this many elements (whole packed bytes)
+CHUNK_BLOCK = 8
+#: parameter dtypes OneBitAdam accepts (the optimizer state is float32 for all of them)
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: what each parameter's state holds (all float32 tensors)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
+
+
+# ------------------------------------------------------------------------ single process
+class _Done:
+    """A completed work handle."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _SingleProcess(exchange.Collectives):
+    """``Collectives`` for a world of one: the same interface, no ``torch.distributed``, nothing sent."""
+
+    def __init__(self):  # noqa: D107 - deliberately does not call Collectives.__init__ (no process group)
+        self.group = None
+        self.world = 1
+        self.rank = 0
+        self.wire_bytes = 0
+        self.comm_seconds = 0.0
+
+    def all_reduce(self, t):
+        return _Done()
+
+    def all_gather(self, t):
+        return [t.clone()], _Done()
+
+    def all_to_all(self, t):
+        return t.clone(), _Done()
+
+
+# ------------------------------------------------------------------------ validation
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"OneBitAdam: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps) -> None:
+    lr_f = _real("lr", lr)
+    if not (math.isfinite(lr_f) and lr_f >= 0):
+        raise ValueError(f"OneBitAdam: lr must be a finite number >= 0, got {lr!r}")
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"OneBitAdam: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        b_f = _real(f"betas[{i}]", b)
+        if not 0.0 <= b_f < 1.0:
+            raise ValueError(f"OneBitAdam: betas[{i}] must be in [0, 1), got {b!r}")
+    eps_f = _real("eps", eps)
+    if not (math.isfinite(eps_f) and eps_f > 0):
+        raise ValueError(f"OneBitAdam: eps must be a finite number > 0, got {eps!r}")
+    wd = _real("weight_decay", weight_decay)
+    if not (math.isfinite(wd) and wd >= 0):
+        raise ValueError(f"OneBitAdam: weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
+        raise ValueError(f"OneBitAdam: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+
+
+# ------------------------------------------------------------------------ the optimizer
+class OneBitAdam(torch.optim.Optimizer):
+    """Adam whose momentum is averaged across ranks with 1 bit per element after a dense warm-up.
+
+    See the module documentation for the algorithm, the bias correction and the bytes.
+
+    The optimizer averages the gradients itself, so the model must **not** also be
+    averaged by ``DistributedDataParallel``: use the bare module, or call ``backward``
+    inside ``ddp_model.no_sync()`` on every step. Every rank calls :meth:`step` at the
+    same time, with gradients for the same parameters (a parameter whose ``.grad`` is
+    None is skipped, as in ``torch.optim.Adam``, and must be None on every rank), and
+    the parameters must start identical on every rank (same seed, or broadcast them).
+    The ``.grad`` tensors are left as they were (local gradients)::
+
+        import torch.distributed as dist
+        from gradcompress.optim import OneBitAdam
+
+        dist.init_process_group("gloo")            # or nccl; torchrun sets the rest
+        model = Net()                              # NOT wrapped in DistributedDataParallel
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)          # identical start on every rank
+        opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=1000)
+        for x, y in loader:                        # each rank its own shard of the data
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()        # local gradients only
+            opt.step()                             # dense Adam, then 1-bit momentum exchange
+
+        # checkpoints: the error buffers differ per rank, so every rank saves its own
+        torch.save(opt.state_dict(), f"opt-rank{dist.get_rank()}.pt")
+
+    Args:
+        params: parameters or parameter groups (float32, float16 or bfloat16; the state
+            is float32 whatever the parameter dtype, the update is written back in the
+            parameter's dtype). Groups may override every argument but ``process_group``.
+        lr: learning rate (>= 0).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to the denominator (> 0).
+        weight_decay: L2 penalty added to the gradient, as in ``torch.optim.Adam``
+            (during warm-up and after: after warm-up to the local gradient before the
+            momentum, which gives the same result since the parameters are identical).
+        warmup_steps: dense Adam steps before the variance is frozen (integer >= 0).
+        process_group: the group to average over (default: the world). Without an
+            initialised ``torch.distributed`` (and no group given) the optimizer runs as
+            a single process; a group of size 1 does the same. A single process sends
+            nothing but runs the same code, compression and error feedback included.
+
+    ``state_dict()`` holds, per parameter, ``step``, ``exp_avg``, ``exp_avg_sq`` (frozen
+    after warm-up), ``worker_error`` (the parameter's shape) and ``server_error`` (this
+    rank's chunk, :func:`gradcompress.exchange.chunk_numel` elements), all float32; so,
+    unlike DeepSpeed, a resumed run continues exactly. Loading a ``torch.optim.Adam``
+    state dict also works (the error buffers then start at zero). A checkpoint taken
+    with another world size has server residuals of another size: they are reset to
+    zero with a warning.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None):
+        _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=int(warmup_steps))
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self.codec = make(CODEC_SPEC)
+        self._comm: exchange.Collectives | None = None
+        self._checked = False
+        self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if not hasattr(self, "process_group"):
+            self.process_group = None
+        if not hasattr(self, "_counters"):
+            self._init_runtime()
+
+    def add_param_group(self, param_group: dict) -> None:
+        values = {k: param_group.get(k, self.defaults.get(k)) for k in
+                  ("lr", "betas", "eps", "weight_decay", "warmup_steps")}
+        _check_hyperparameters(**values)
+        if "process_group" in param_group:
+            raise ValueError("OneBitAdam: process_group is an argument of the optimizer, not of a parameter group")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["betas"] = tuple(group["betas"])
+        for p in group["params"]:
+            if p.dtype not in PARAM_DTYPES:
+                self.param_groups.pop()
+                allowed = ", ".join(str(d).replace("torch.", "") for d in PARAM_DTYPES)
+                raise ValueError(f"OneBitAdam: parameters must be {allowed}; got one of dtype "
+                                 f"{str(p.dtype).replace('torch.', '')}")
+
+    # ------------------------------------------------------------------ public API
+    def stats(self) -> dict:
+        """Counters of this process since the optimizer was built (not saved in checkpoints).
+
+        ``steps``: calls to :meth:`step` that exchanged something; ``compressed_steps``:
+        those with at least one parameter past its warm-up; ``skipped``: steps skipped
+        for a non-finite average; ``raw_bytes``: the exchanged tensors' float32 size,
+        summed over steps; ``wire_bytes``: bytes this rank transmitted, counted as ring
+        algorithms send them (:class:`gradcompress.exchange.Collectives`; 0 in a single
+        process); ``ratio``: raw / wire; ``comm_seconds``: time waiting on collectives;
+        ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update).
+        """
+        wire = self._comm.wire_bytes if self._comm else 0
+        comm_s = self._comm.comm_seconds if self._comm else 0.0
+        raw = self._counters["raw_bytes"]
+        return {
+            "steps": self._counters["steps"],
+            "compressed_steps": self._counters["compressed_steps"],
+            "skipped": self._counters["skipped"],
+            "raw_bytes": raw,
+            "wire_bytes": wire,
+            "ratio": raw / wire if wire else float("inf") if raw else 1.0,
+            "comm_seconds": comm_s,
+            "codec_seconds": max(0.0, self._counters["seconds"] - comm_s),
+        }
+
+    def bytes_sent(self) -> int:
+        """``stats()["wire_bytes"]``: bytes this rank has transmitted so far."""
+        return self._comm.wire_bytes if self._comm else 0
+
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer``'s state dict, with copies of the state tensors (not live references)."""
+        sd = super().state_dict()
+        sd["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                       for k, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict; the state tensors are kept in float32 (torch would cast them to the param dtype)."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for sid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(sid)
+            if saved is None:
+                continue
+            self.state[p] = {k: self._as_state(v, p) for k, v in saved.items()}
+        for group in self.param_groups:
+            group["betas"] = tuple(group["betas"])
+
+    @staticmethod
+    def _as_state(value, p: torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            return value
+        dtype = torch.float32 if value.is_floating_point() else value.dtype
+        device = value.device if value.dim() == 0 and value.device.type == "cpu" else p.device
+        return value.detach().to(device=device, dtype=dtype).clone()
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One optimizer step on every rank of the group (a collective call: every rank must make it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        started = time.perf_counter()
+        comm = self._collectives()
+        dense, comp = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("OneBitAdam does not support sparse gradients")
+                state = self._state_of(p, comm)
+                (dense if state["step"].item() < group["warmup_steps"] else comp).append((group, p, state))
+        if not dense and not comp:
+            return loss
+        self._counters["steps"] += 1
+        self._counters["compressed_steps"] += bool(comp)
+        self._counters["raw_bytes"] += 4 * sum(p.numel() for _, p, _ in dense + comp)
+
+        jobs = []
+        dense_flat = None
+        if dense:
+            dense_flat = torch.cat([p.grad.detach().reshape(-1).float() for _, p, _ in dense])
+            jobs.append(exchange.dense_mean(comm, dense_flat))
+        outs: list[torch.Tensor] = []
+        if comp:
+            job, outs, new_worker, new_server = self._compressed_job(comm, comp)
+            jobs.append(job)
+        exchange.drive(jobs, comm)
+
+        averaged = ([dense_flat] if dense_flat is not None else []) + outs
+        if not all(bool(torch.isfinite(t).all()) for t in averaged):
+            self._counters["skipped"] += 1
+            self._counters["seconds"] += time.perf_counter() - started
+            return loss
+
+        offset = 0
+        for group, p, state in dense:
+            n = p.numel()
+            self._adam_step(group, p, state, dense_flat[offset : offset + n].view(p.shape))
+            offset += n
+        for k, (group, p, state) in enumerate(comp):
+            state["exp_avg"].copy_(outs[k].view(p.shape))
+            state["worker_error"].copy_(new_worker[k])
+            state["server_error"].copy_(new_server[k])
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            warm = group["warmup_steps"]
+            bc2 = 1 - beta2**warm if warm > 0 else 1.0
+            self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
+        self._counters["seconds"] += time.perf_counter() - started
+        return loss
+
+    # ------------------------------------------------------------------ internals
+    def _collectives(self) -> exchange.Collectives:
+        if self._comm is None:
+            if dist.is_available() and dist.is_initialized():
+                world = dist.get_world_size(self.process_group)
+                self._comm = exchange.Collectives(self.process_group) if world > 1 else _SingleProcess()
+            elif self.process_group is not None:
+                raise RuntimeError("OneBitAdam: a process_group was given but torch.distributed is not initialised")
+            else:
+                self._comm = _SingleProcess()
+        if not self._checked:
+            if self._comm.world > 1:
+                self._check_same_config()
+            self._checked = True
+        return self._comm
+
+    def _config(self) -> str:
+        groups = []
+        for g in self.param_groups:
+            shapes = ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"])
+            groups.append(f"lr={g['lr']} betas={tuple(g['betas'])} eps={g['eps']} weight_decay={g['weight_decay']} "
+                          f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
+        return f"{CODEC_SPEC}; " + "; ".join(groups)
+
+    def _check_same_config(self) -> None:
+        """Once, before the first exchange: every rank must have the same parameters and hyperparameters."""
+        configs: list = [None] * self._comm.world
+        dist.all_gather_object(configs, self._config(), group=self.process_group)
+        if len(set(configs)) > 1:
+            lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(configs))
+            raise RuntimeError(f"OneBitAdam: ranks are configured differently (parameters or hyperparameters): "
+                               f"{lines}")
+
+    def _state_of(self, p: torch.Tensor, comm: exchange.Collectives) -> dict:
+        """The parameter's state, created (or completed, after loading a torch Adam state) on first use."""
+        state = self.state[p]
+        chunk = exchange.chunk_numel(p.numel(), comm.world, CHUNK_BLOCK)
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq", "worker_error"):
+            if key not in state:
+                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        server = state.get("server_error")
+        if server is None or server.numel() != chunk:
+            if server is not None:
+                warnings.warn(f"OneBitAdam: a server residual of {server.numel()} elements does not fit this "
+                              f"group's chunk of {chunk} (checkpoint from another world size?); it restarts at zero",
+                              stacklevel=3)
+            state["server_error"] = torch.zeros(chunk, dtype=torch.float32, device=p.device)
+        return state
+
+    def _local_grad(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (float32) plus the L2 term, as ``torch.optim.Adam`` adds it."""
+        if group["weight_decay"] != 0:
+            grad = grad.add(p.detach().float(), alpha=group["weight_decay"])
+        return grad
+
+    def _adam_step(self, group: dict, p: torch.Tensor, state: dict, avg_grad: torch.Tensor) -> None:
+        """``torch.optim.Adam``'s single-tensor step on the averaged gradient (float32 state)."""
+        beta1, beta2 = group["betas"]
+        grad = self._local_grad(group, p, avg_grad)
+        state["step"] += 1
+        step = state["step"].item()
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self._update(group, p, state, 1 - beta1**step, 1 - beta2**step)
+
+    @staticmethod
+    def _update(group: dict, p: torch.Tensor, state: dict, bias_correction1: float, bias_correction2: float) -> None:
+        step_size = group["lr"] / bias_correction1
+        denom = (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(group["eps"])
+        if p.dtype == torch.float32:
+            p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+        else:
+            p32 = p.detach().float()
+            p32.addcdiv_(state["exp_avg"], denom, value=-step_size)
+            p.copy_(p32)
+
+    def _compressed_job(self, comm: exchange.Collectives, comp: list):
+        """Worker-side error feedback and the two-step 1-bit reduce of every compressed parameter, batched."""
+        codec = self.codec
+        chunked, new_worker = [], []
+        for group, p, state in comp:
+            beta1 = group["betas"][0]
+            grad = self._local_grad(group, p, p.grad.detach().float())
+            momentum = state["exp_avg"].lerp(grad, 1 - beta1)
+            x = (momentum + state["worker_error"]).reshape(-1)
+            payloads = [codec.encode(c) for c in exchange.split_chunks(x, comm.world, CHUNK_BLOCK)]
+            delivered = torch.cat([codec.decode(pl) for pl in payloads])[: x.numel()]
+            new_worker.append((x - delivered).view(p.shape))
+            chunked.append(payloads)
+        new_server: list[torch.Tensor | None] = [None] * len(comp)
+
+        def reencode(k: int, mean_chunk: torch.Tensor):
+            y = mean_chunk + comp[k][2]["server_error"]
+            payload = codec.encode(y)
+            new_server[k] = y - codec.decode(payload)
+            return payload
+
+        outs = [torch.empty(p.numel(), dtype=torch.float32, device=p.device) for _, p, _ in comp]
+        job = exchange.two_step_mean(comm, codec, chunked, outs, reencode)
+        return job, outs, new_worker, new_server
+
+
+__all__ = ["OneBitAdam"]
