@@ -1,0 +1,173 @@
+"""``gradcompress bench``: speed, size and error of every codec on one gradient-sized tensor.
+
+For each codec: the median over ``--repeats`` runs of ``encode`` and of ``decode``
+(after one untimed warm-up run), reported as GB/s of input (float32 bytes / seconds)
+and as (encode + decode) / (a float16 round trip ``x.half().float()`` timed in the same
+run); the compression ratio (input bytes / ``Payload.nbytes``) and the relative error
+||decode(encode(x)) - x|| / ||x||.
+
+The tensor: ``--numel`` float32 values drawn from N(0, 1e-3^2) (a gradient's scale;
+only ``threshold``'s result depends on the scale). ``powersgd`` codecs see it as a
+4096 x (numel // 4096) matrix (the few trailing elements dropped); every other codec
+sees it as a flat vector. Single-process round trips, no communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from .demo import positive_int, split_schemes
+from .task import CLIError
+
+EXTRA_CODECS = ("topk:ratio=0.01,values=int8", "int8:stochastic=true", "powersgd:rank=4")
+MATRIX_ROWS = 4096
+
+
+def default_codecs() -> list[str]:
+    import gradcompress
+
+    return gradcompress.available() + list(EXTRA_CODECS)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", help="encode/decode speed, compression ratio and error of every codec",
+        description="Time encode and decode of every codec on one gradient-sized tensor and compare with a "
+                    "float16 round trip; report compression ratio and relative error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Codecs: every registered codec with its default options, plus " + "; ".join(EXTRA_CODECS) +
+               ".\nChoose some with --codecs (';'-separated and/or repeated, since specs contain commas):\n"
+               "  gradcompress bench --codecs 'int8;topk:ratio=0.01,values=int8' --numel 1000000")
+    p.add_argument("--numel", type=positive_int, default=25_000_000,
+                   help="elements of the float32 tensor (default 25000000, 100 MB)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensor lives (default cpu)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per codec; the median counts (default 5)")
+    p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC", help="codec specs to time (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tensor and the codecs (default 0)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _timer(device):
+    import torch
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def _median_time(fn, repeats: int, now) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = now()
+        fn()
+        times.append(now() - start)
+    return statistics.median(times)
+
+
+def bench_codec(spec: str, x, repeats: int, fp16_seconds: float, now, seed: int = 0) -> dict:
+    import torch
+
+    import gradcompress
+
+    codec = gradcompress.make(spec)
+    if codec.name == "powersgd":
+        cols = max(1, x.numel() // MATRIX_ROWS)
+        rows = min(MATRIX_ROWS, x.numel())
+        x = x[: rows * cols].view(rows, cols)
+    payload = codec.encode(x, seed=seed)
+    enc = _median_time(lambda: codec.encode(x, seed=seed), repeats, now)
+    dec = _median_time(lambda: codec.decode(payload), repeats, now)
+    y = codec.decode(payload)
+    in_bytes = x.numel() * x.element_size()
+    norm = torch.linalg.vector_norm(x.float()).item()
+    err = torch.linalg.vector_norm(y.float() - x.float()).item() / norm if norm else 0.0
+    return {
+        "codec": spec,
+        "canonical": codec.spec,
+        "shape": list(x.shape),
+        "encode_seconds": enc,
+        "decode_seconds": dec,
+        "encode_gbps": in_bytes / enc / 1e9 if enc else None,
+        "decode_gbps": in_bytes / dec / 1e9 if dec else None,
+        "vs_fp16_roundtrip": (enc + dec) / fp16_seconds if fp16_seconds else None,
+        "payload_bytes": payload.nbytes,
+        "compression_ratio": in_bytes / payload.nbytes if payload.nbytes else None,
+        "relative_error": err if math.isfinite(err) else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import gradcompress
+
+    specs = split_schemes(args.codecs) if args.codecs else default_codecs()
+    if not specs:
+        raise CLIError("--codecs is empty")
+    valid = ", ".join(gradcompress.available())
+    for s in specs:
+        try:
+            gradcompress.make(s)
+        except (ValueError, TypeError) as err:
+            msg = " ".join(str(err).split())
+            if "unknown codec" in msg:
+                msg = f"unknown codec {s.partition(':')[0].strip()!r}; valid codecs: {valid}"
+            raise CLIError(msg) from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda: CUDA is not available in this PyTorch build or on this machine")
+    device = torch.device(args.device)
+    now = _timer(device)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    try:
+        x = torch.randn(args.numel, generator=g, device=device) * 1e-3
+    except (RuntimeError, MemoryError) as err:
+        raise CLIError(f"cannot allocate a tensor of {args.numel} float32 values on {device}: "
+                       f"{' '.join(str(err).split())[:200]}") from None
+    fp16 = _median_time(lambda: x.half().float(), args.repeats, now)
+    in_bytes = x.numel() * x.element_size()
+
+    from tqdm import tqdm
+
+    rows = []
+    for spec in tqdm(specs, desc="bench", unit="codec", leave=False, file=sys.stderr):
+        rows.append(bench_codec(spec, x, args.repeats, fp16, now, args.seed))
+    result = {"numel": args.numel, "device": str(device), "repeats": args.repeats, "threads": torch.get_num_threads(),
+              "fp16_roundtrip_seconds": fp16, "fp16_roundtrip_gbps": in_bytes / fp16 / 1e9 if fp16 else None,
+              "codecs": rows}
+    if args.json:
+        print(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    head = ("codec", "encode GB/s", "decode GB/s", "x fp16 trip", "ratio", "rel. error")
+    rows = [head] + [(r["codec"], f(r["encode_gbps"], ".2f"), f(r["decode_gbps"], ".2f"),
+                      f(r["vs_fp16_roundtrip"], ".1f"), f(r["compression_ratio"], ".1f"),
+                      f(r["relative_error"], ".3g")) for r in result["codecs"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"{result['numel']:,} float32 values on {result['device']} ({result['threads']} threads), "
+             f"median of {result['repeats']}; float16 round trip x.half().float(): "
+             f"{1000 * result['fp16_roundtrip_seconds']:.2f} ms ({f(result['fp16_roundtrip_gbps'], '.2f')} GB/s)"]
+    for k, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("x fp16 trip: (encode + decode time) / float16 round trip time; ratio: input bytes / payload "
+                 "bytes; rel. error: ||decode - x|| / ||x||; powersgd on a 4096 x (numel/4096) matrix")
+    return "\n".join(lines)

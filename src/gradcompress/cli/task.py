@@ -1,0 +1,355 @@
+"""The task that ``gradcompress demo`` and ``gradcompress train`` run: an MLP on handwritten digits.
+
+* Data: scikit-learn's 8x8 digits (``load_digits``: 1797 images, bundled, no download),
+  a stratified held-out test split (25 %), features standardised with the training
+  split's mean and standard deviation.
+* Model: a 64 -> 256 -> 256 -> 10 ReLU MLP. Its three weight matrices (16384, 65536 and
+  2560 elements) are above the Compressor's ``min_numel=1024`` and get compressed; the
+  biases travel dense.
+* Training: every worker owns a shard of the training split (every W-th example of a
+  seeded permutation) and draws its own shuffled minibatches from it. The model is
+  wrapped in ``DistributedDataParallel`` with a :class:`gradcompress.Compressor` as its
+  communication hook and trained with SGD with momentum; ``dgc`` schemes use SGD
+  without momentum because DGC's momentum correction lives in the compressor. The
+  scheme ``onebitadam`` uses :class:`gradcompress.optim.OneBitAdam` on the bare model
+  (it averages gradients itself, so no DDP).
+* Recorded per step: the minibatch loss, the cumulative ``stats()['wire_bytes']`` and
+  the step's wall time; at the end: the loss over the whole training split and the
+  test accuracy (rank 0).
+
+Everything a worker needs is passed in (data tensors, a :class:`RunConfig`), so the
+worker functions here can be pickled to ``gradcompress.launch.run`` processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ONEBITADAM = "onebitadam"
+#: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam)
+ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps")
+IN_FEATURES, CLASSES = 64, 10
+
+
+class CLIError(Exception):
+    """A problem with the command line or the environment: printed as one line, exit code 2."""
+
+
+# --------------------------------------------------------------------------- configuration
+@dataclasses.dataclass
+class RunConfig:
+    """One training run. ``lr=None`` picks the default for the scheme's optimiser."""
+
+    scheme: str = "none"
+    steps: int = 300
+    batch_size: int = 32
+    lr: float | None = None
+    momentum: float = 0.9
+    warmup_steps: int = 5
+    error_feedback: bool | None = None
+    seed: int = 0
+    hidden: int = 256
+    progress_every: int = 5
+
+    def __post_init__(self) -> None:
+        if self.error_feedback is None:
+            self.error_feedback = default_error_feedback(self.scheme)
+
+    def kind(self) -> str:
+        """``"onebitadam"``, ``"dgc"`` (plain SGD) or ``"sgd"`` (SGD with momentum)."""
+        name = scheme_name(self.scheme)
+        return name if name in (ONEBITADAM, "dgc") else "sgd"
+
+    def onebitadam_options(self) -> dict:
+        from ..spec import parse
+
+        opts = parse(self.scheme)
+        opts.pop("name")
+        opts.setdefault("lr", self.lr if self.lr is not None else 1e-3)
+        opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
+        return opts
+
+    def learning_rate(self) -> float:
+        if self.kind() == ONEBITADAM:
+            return float(self.onebitadam_options()["lr"])
+        return self.lr if self.lr is not None else 0.05
+
+    def optimizer_text(self) -> str:
+        kind = self.kind()
+        if kind == ONEBITADAM:
+            o = self.onebitadam_options()
+            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']})"
+        if kind == "dgc":
+            return f"SGD(lr={self.learning_rate():g}, momentum=0; DGC momentum correction)"
+        return f"SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
+
+
+def scheme_name(scheme: str) -> str:
+    return scheme.strip().partition(":")[0].strip()
+
+
+def default_error_feedback(scheme: str) -> bool:
+    """Error feedback for biased codecs, not for unbiased stochastic ones.
+
+    Error feedback needs a contractive compressor (||C(x) - x|| < ||x||). Unbiased
+    stochastic quantisers (``qsgd``, ``terngrad``, ``int8``/``int4`` with
+    ``stochastic=true``) and rescaled ``randomk:scale=true`` have a variance larger than
+    ||x||^2, so their residual would grow without bound; they are used without it.
+    """
+    if scheme_name(scheme) == ONEBITADAM:
+        return False
+    import gradcompress
+
+    codec = gradcompress.make(scheme)
+    if codec.name in ("none", "qsgd", "terngrad"):  # none: nothing to feed back
+        return False
+    if codec.name in ("int8", "int4") and codec.stochastic:
+        return False
+    if codec.name == "randomk" and codec.scale:
+        return False
+    return True
+
+
+def check_scheme(scheme: str) -> str:
+    """The canonical spec of ``scheme``; ``CLIError`` (one line, listing valid schemes) if it is wrong."""
+    import gradcompress
+
+    valid = ", ".join(gradcompress.available() + [ONEBITADAM])
+    if not isinstance(scheme, str) or not scheme.strip():
+        raise CLIError(f"empty scheme; valid schemes: {valid}")
+    if scheme_name(scheme) == ONEBITADAM:
+        from ..spec import parse
+
+        try:
+            opts = parse(scheme)
+        except ValueError as err:
+            raise CLIError(_one_line(err)) from None
+        bad = [k for k in opts if k != "name" and k not in ONEBITADAM_OPTIONS]
+        if bad:
+            raise CLIError(f"onebitadam: unknown option {bad[0]!r}; options of onebitadam: "
+                           f"{', '.join(ONEBITADAM_OPTIONS)}")
+        for k, v in opts.items():
+            if k != "name" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise CLIError(f"onebitadam: {k} must be a number, got {v!r}")
+        return scheme.strip()
+    try:
+        codec = gradcompress.make(scheme)
+    except (ValueError, TypeError) as err:
+        msg = _one_line(err)
+        if "unknown codec" in msg:
+            msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
+        raise CLIError(msg) from None
+    return codec.spec
+
+
+def onebitadam_problem() -> str | None:
+    """None when ``gradcompress.optim.OneBitAdam`` can be imported, else why not (one line)."""
+    try:
+        from ..optim import OneBitAdam  # noqa: F401
+    except Exception as err:  # ImportError, or a half-written module
+        return f"gradcompress.optim.OneBitAdam is not available ({type(err).__name__}: {_one_line(err)})"
+    return None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def check_out_dir(path: str) -> str:
+    """Create ``path`` if needed and check that a file can be written there (before any training)."""
+    import tempfile
+
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".gradcompress-write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or _one_line(err)
+        raise CLIError(f"cannot write to --out {path!r}: {reason}") from None
+    return path
+
+
+# --------------------------------------------------------------------------- data and model
+def load_data(seed: int = 0, test_size: float = 0.25) -> dict[str, torch.Tensor]:
+    """Digits split into train/test (stratified, seeded), standardised with the training statistics."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
+    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
+    std = np.where(std > 0, std, 1.0)  # a few border pixels are always 0
+    f = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
+    return {"x_train": f(x_tr), "y_train": torch.from_numpy(y_tr).long(),
+            "x_test": f(x_te), "y_test": torch.from_numpy(y_te).long()}
+
+
+def make_model(seed: int = 0, hidden: int = 256) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, CLASSES))
+
+
+class Batches:
+    """This worker's shard of the training split, served as shuffled minibatches, epoch after epoch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, rank: int, world: int, batch_size: int, seed: int):
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+        shard = order[rank::world]
+        self.x, self.y = x[shard], y[shard]
+        self.batch_size = min(batch_size, len(shard))
+        self.gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
+        self.perm, self.pos = torch.empty(0, dtype=torch.long), 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos + self.batch_size > len(self.perm):
+            self.perm, self.pos = torch.randperm(len(self.x), generator=self.gen), 0
+        idx = self.perm[self.pos : self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return self.x[idx], self.y[idx]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(loss over the whole training split, test accuracy in percent)."""
+    was = model.training
+    model.eval()
+    loss = nn.functional.cross_entropy(model(data["x_train"]), data["y_train"]).item()
+    acc = (model(data["x_test"]).argmax(1) == data["y_test"]).float().mean().item() * 100
+    model.train(was)
+    return loss, acc
+
+
+# --------------------------------------------------------------------------- one run
+def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device,
+              progress=None, index: int = 0) -> dict[str, Any]:
+    """Train one scheme on this rank (the process group must be initialised); return this rank's record.
+
+    ``progress``: a queue that rank 0 feeds with ``(index, steps_done)`` every
+    ``cfg.progress_every`` steps. Rank 0's record also holds the final evaluation.
+    """
+    import gradcompress
+
+    data = {k: v.to(device) for k, v in data.items()}
+    model = make_model(cfg.seed, cfg.hidden).to(device)
+    batches = Batches(data["x_train"], data["y_train"], rank, world, cfg.batch_size, cfg.seed)
+    kind = cfg.kind()
+    if kind == ONEBITADAM:
+        from ..optim import OneBitAdam
+
+        for p in model.parameters():  # identical start everywhere (already so by the seed)
+            dist.broadcast(p.data, src=0)
+        opt = OneBitAdam(model.parameters(), **cfg.onebitadam_options())
+        net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
+    else:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        comp = gradcompress.register_ddp_hook(net, cfg.scheme, warmup_steps=cfg.warmup_steps,
+                                              error_feedback=cfg.error_feedback, seed=cfg.seed)
+        momentum = 0.0 if kind == "dgc" else cfg.momentum
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=momentum)
+        stats_of = comp.stats
+
+    losses, cum_bytes, step_times = [], [], []
+    for step in range(cfg.steps):
+        x, y = batches.next()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        value = loss.item()  # also waits for the device
+        step_times.append(time.perf_counter() - start)
+        losses.append(value)
+        st = stats_of()
+        cum_bytes.append(st.get("wire_bytes") if st else None)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{cfg.scheme}: the training loss became {value} at step {step}; "
+                                     "lower --lr or change the scheme's options")
+        if progress is not None and rank == 0 and ((step + 1) % cfg.progress_every == 0 or step + 1 == cfg.steps):
+            progress.put((index, step + 1))
+    record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
+                              "step_seconds": step_times, "stats": stats_of()}
+    if rank == 0:
+        record["final_train_loss"], record["test_accuracy"] = evaluate(model, data)
+    return record
+
+
+def demo_worker(rank: int, world: int, data: dict, configs: list[RunConfig], progress=None) -> list[dict]:
+    """``launch.run`` target: every run of the demo, one after the other, in the same worker processes."""
+    out = []
+    for i, cfg in enumerate(configs):
+        if progress is not None and rank == 0:
+            progress.put((i, 0))
+        out.append(train_run(rank, world, data, cfg, torch.device("cpu"), progress, i))
+        dist.barrier()
+    return out
+
+
+def train_worker(rank: int, world: int, data: dict, cfg: RunConfig, device: str = "cpu", progress=None) -> dict:
+    """``launch.run`` (or torchrun) target for ``gradcompress train``: one run."""
+    return train_run(rank, world, data, cfg, torch.device(device), progress, 0)
+
+
+# --------------------------------------------------------------------------- summaries
+def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]:
+    """Combine the ranks' records of one run into the figures the CLI prints and saves.
+
+    ``loss``: per step, mean over ranks; ``cumulative_bytes``: per step, bytes rank 0
+    transmitted so far; ``bytes_per_step``: total wire bytes / steps (warm-up included);
+    ``bytes_per_step_compressed``: mean over the steps after the warm-up.
+    """
+    r0 = records[0]
+    steps = len(r0["loss"])
+    loss = [sum(r["loss"][i] for r in records) / len(records) for i in range(steps)]
+    stats = r0["stats"] or {}
+    wire = stats.get("wire_bytes")
+    step_seconds = sum(sum(r["step_seconds"]) for r in records) / len(records)
+    codec = stats.get("codec_seconds")
+    cum = r0["cumulative_bytes"]
+    w = cfg.warmup_steps if cfg.kind() != ONEBITADAM else cfg.onebitadam_options()["warmup_steps"]
+    steady = None
+    if wire is not None and cum and None not in cum and steps > w:
+        steady = (cum[-1] - (cum[w - 1] if w > 0 else 0)) / (steps - w)
+    ratio = stats.get("ratio")
+    return {
+        "scheme": cfg.scheme,
+        "optimizer": cfg.optimizer_text(),
+        "lr": cfg.learning_rate(),
+        "workers": world,
+        "steps": steps,
+        "batch_size": cfg.batch_size,
+        "warmup_steps": w,
+        "error_feedback": cfg.error_feedback if cfg.kind() != ONEBITADAM else None,
+        "bytes_per_step": wire / steps if wire is not None and steps else None,
+        "bytes_per_step_compressed": steady,
+        "raw_bytes_per_step": stats["raw_bytes"] / steps if "raw_bytes" in stats and steps else None,
+        "ratio": ratio if ratio is None or math.isfinite(ratio) else None,
+        "step_seconds": step_seconds / steps if steps else None,
+        "codec_seconds": codec,
+        "codec_share": codec / step_seconds if codec is not None and step_seconds > 0 else None,
+        "final_train_loss": r0["final_train_loss"],
+        "test_accuracy": r0["test_accuracy"],
+        "loss": loss,
+        "cumulative_bytes": cum if None not in cum else None,
+        "stats": {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()},
+    }
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

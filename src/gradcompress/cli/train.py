@@ -1,0 +1,121 @@
+"""``gradcompress train``: one training run of the digits task with one scheme.
+
+Locally (no ``RANK``/``WORLD_SIZE`` in the environment) it starts ``--workers`` processes
+with a gloo process group on loopback, on the CPU. Under ``torchrun``::
+
+    torchrun --nnodes=N --nproc-per-node=M -m gradcompress train --codec powersgd:rank=2
+
+it joins the process group torchrun describes (``init_process_group`` with backend
+nccl when CUDA is available, else gloo) and, with CUDA, trains on ``cuda:LOCAL_RANK``.
+Rank 0 prints a one-line summary; with ``--out`` it also writes ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .demo import nonnegative_int, positive_float, positive_int
+from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes, load_data,
+                   onebitadam_problem, scheme_name, summarize, train_worker)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train", help="one training run with one scheme (local workers, or under torchrun)",
+        description="Train the digits MLP with one compression scheme. Without torchrun it starts --workers "
+                    "local processes (gloo, CPU); under torchrun (RANK and WORLD_SIZE set) it joins that "
+                    "process group (nccl and cuda:LOCAL_RANK when CUDA is available, else gloo).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  gradcompress train --codec topk:ratio=0.01 --steps 300\n"
+               "  gradcompress train --codec onebitadam\n"
+               "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --codec powersgd:rank=2")
+    p.add_argument("--codec", required=True, metavar="SPEC",
+                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam")
+    p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam)")
+    p.add_argument("--workers", type=positive_int, default=2,
+                   help="local worker processes when not under torchrun (default 2)")
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
+                   help="dense steps before compression starts (default 5; onebitadam: its Adam warm-up, "
+                        "default 20%% of the steps)")
+    p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the compression error and add it to the next gradient (default: on for biased "
+                        "codecs, off for unbiased stochastic ones: qsgd, terngrad, int8/int4 with "
+                        "stochastic=true, randomk with scale=true)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed (default 0)")
+    p.add_argument("--out", default=None, help="folder for results.json (default: write nothing)")
+    p.set_defaults(run=run)
+    return p
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import launch
+
+    check_scheme(args.codec)
+    if scheme_name(args.codec) == ONEBITADAM:
+        problem = onebitadam_problem()
+        if problem:
+            raise CLIError(problem)
+    out_dir = check_out_dir(args.out) if args.out else None
+    warmup = 5 if args.warmup_steps is None else args.warmup_steps
+    scheme = args.codec.strip()
+    if scheme_name(scheme) == ONEBITADAM and args.warmup_steps is not None and "warmup_steps" not in scheme:
+        scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
+    cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                    warmup_steps=warmup, error_feedback=args.error_feedback, seed=args.seed)
+
+    if under_torchrun():
+        records, world, rank = _run_torchrun(cfg)
+        if rank != 0:
+            return 0
+    else:
+        data = load_data(args.seed)
+        world, rank = args.workers, 0
+        records = launch.run(train_worker, world, data, cfg, timeout=120 + 2.0 * args.steps)
+
+    summary = summarize(records, cfg, world)
+    ratio = summary["ratio"]
+    print(f"{cfg.scheme}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
+          f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker, "
+          f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
+          f"{1000 * summary['step_seconds']:.1f} ms/step")
+    if out_dir:
+        path = os.path.join(out_dir, "results.json")
+        with open(path, "w") as f:
+            json.dump({"runs": [summary]}, f, indent=1, allow_nan=False)
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_torchrun(cfg: RunConfig):
+    """Join torchrun's process group, train, and gather every rank's record on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        data = load_data(cfg.seed)
+        record = train_worker(rank, world, data, cfg, device)
+        records = [None] * world if rank == 0 else None
+        dist.gather_object(record, records, dst=0)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return records, world, rank

@@ -1,0 +1,155 @@
+"""The ``gradcompress`` command: demo (shortened), train, bench, --help and error handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gradcompress
+from gradcompress.cli import demo as demo_mod
+from gradcompress.cli import main
+from gradcompress.cli.bench import EXTRA_CODECS
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- help
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"], ["bench", "--help"]])
+def test_help(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gradcompress")
+    if argv[0] == "demo":
+        assert "--schemes" in out and "--workers" in out and "--out" in out
+    if argv[0] == "train":
+        assert "--codec" in out and "torchrun" in out and "--no-error-feedback" in out
+    if argv[0] == "bench":
+        assert "--numel" in out and "--json" in out and "--codecs" in out
+
+
+def test_split_schemes_keeps_commas_inside_specs():
+    got = demo_mod.split_schemes(["none;topk:ratio=0.01,values=int8", "powersgd:rank=2", " ; int8 ;"])
+    assert got == ["none", "topk:ratio=0.01,values=int8", "powersgd:rank=2", "int8"]
+
+
+# --------------------------------------------------------------------------- demo
+def test_short_demo_writes_results_and_report(tmp_path, monkeypatch, capsys):
+    # pretend 1-bit Adam is missing: the demo must say so and go on with the others
+    monkeypatch.setattr(demo_mod, "onebitadam_problem", lambda: "gradcompress.optim.OneBitAdam is not available")
+    out = tmp_path / "report"
+    rc = main(["demo", "--steps", "30", "--workers", "2", "--no-progress", "--out", str(out),
+               "--schemes", "none;topk:ratio=0.01,values=int8", "--schemes", "onebitadam"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "skipping onebitadam" in captured.err
+    table = captured.out
+    assert "topk:ratio=0.01,values=int8" in table and "test acc" in table
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["task"]["workers"] == 2 and data["task"]["steps"] == 30
+    assert [s["scheme"] for s in data["skipped"]] == ["onebitadam"]
+    runs = {r["scheme"]: r for r in data["runs"]}
+    assert set(runs) == {"none", "topk:ratio=0.01,values=int8"}
+    for r in runs.values():
+        for key in ("bytes_per_step", "ratio", "codec_share", "final_train_loss", "test_accuracy",
+                    "accuracy_delta_vs_none", "step_seconds", "loss", "cumulative_bytes", "stats"):
+            assert key in r, key
+        assert len(r["loss"]) == 30 and len(r["cumulative_bytes"]) == 30
+        assert r["cumulative_bytes"] == sorted(r["cumulative_bytes"])
+        assert r["cumulative_bytes"][-1] == r["stats"]["wire_bytes"]
+        assert 0 <= r["test_accuracy"] <= 100
+        assert 0 <= r["codec_share"] <= 1
+    assert runs["none"]["accuracy_delta_vs_none"] == 0
+    assert runs["none"]["ratio"] == pytest.approx(1.0, rel=1e-3)  # dense all-reduce on 2 workers sends 2 (W-1)/W = 1x
+    assert runs["topk:ratio=0.01,values=int8"]["bytes_per_step"] < runs["none"]["bytes_per_step"] / 4
+    assert runs["topk:ratio=0.01,values=int8"]["ratio"] > 4
+    assert runs["none"]["test_accuracy"] > 50  # learning something after 30 steps
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+# --------------------------------------------------------------------------- errors
+def test_bad_scheme_is_one_line_listing_valid_ones():
+    proc = subprocess.run([sys.executable, "-m", "gradcompress", "demo", "--schemes", "none;nosuchcodec"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    line = _one_error_line(proc.stderr)
+    assert "nosuchcodec" in line
+    for name in gradcompress.available() + ["onebitadam"]:
+        assert name in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["demo", "--schemes", "topk:ratio=2"], "ratio"),
+    (["train", "--codec", "int8:bogus=1"], "bogus"),
+    (["demo", "--workers", "0"], "--workers"),
+    (["bench", "--codecs", "nosuchcodec"], "nosuchcodec"),
+])
+def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
+    rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))
+    assert rc != 0
+    assert needle in _one_error_line(capsys.readouterr().err)
+
+
+def test_unwritable_out_fails_before_training(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for cmd in (["demo"], ["train", "--codec", "int8"]):
+        rc = main(cmd + ["--out", str(blocker / "report")])
+        assert rc != 0
+        line = _one_error_line(capsys.readouterr().err)
+        assert "cannot write" in line and "--out" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True, reason="root can write anywhere")
+def test_read_only_out(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    assert main(["demo", "--out", str(ro)]) != 0
+    assert "cannot write" in _one_error_line(capsys.readouterr().err)
+
+
+def test_crashing_worker_stops_the_run(capsys):
+    rc = main(["train", "--codec", "none", "--lr", "1e30", "--steps", "20", "--workers", "2"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("gradcompress train: error: worker ")
+    assert "training loss became" in err.splitlines()[0]
+
+
+# --------------------------------------------------------------------------- train, bench
+def test_bench_json(capsys):
+    rc = main(["bench", "--numel", "100000", "--repeats", "1", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [r["codec"] for r in data["codecs"]]
+    assert names == gradcompress.available() + list(EXTRA_CODECS)
+    assert data["numel"] == 100000 and data["fp16_roundtrip_seconds"] > 0
+    rows = {r["codec"]: r for r in data["codecs"]}
+    assert rows["none"]["relative_error"] == 0 and rows["none"]["compression_ratio"] == pytest.approx(1.0)
+    assert rows["fp16"]["compression_ratio"] == pytest.approx(2.0)
+    assert rows["int8"]["compression_ratio"] > 3.5 and rows["int8"]["relative_error"] < 0.05
+    assert rows["powersgd:rank=4"]["shape"] == [4096, 100000 // 4096]
+    for r in data["codecs"]:
+        assert r["encode_seconds"] >= 0 and r["decode_seconds"] >= 0 and r["vs_fp16_roundtrip"] is not None
+
+
+def test_bench_subset_table(capsys):
+    rc = main(["bench", "--numel", "50000", "--repeats", "1", "--codecs", "int8;topk:ratio=0.01,values=int8"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "topk:ratio=0.01,values=int8" in out and "int8" in out and "encode GB/s" in out
