@@ -19,7 +19,7 @@ def _codes(n: int, bits: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=400)
 @given(bits=st.integers(1, 8), n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1))
 def test_round_trip_random_lengths(bits, n, seed):
     codes = _codes(n, bits, seed)

@@ -49,6 +49,8 @@ def orthonormalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         if i:
             prev = p[:, :i]
             col -= prev @ (prev.T @ col)
+            col -= prev @ (prev.T @ col)  # twice: a column (nearly) in the span of prev leaves only
+            # rounding noise, which must be orthogonal to prev too (exact for matrices of rank < r)
         col /= torch.linalg.vector_norm(col) + eps
     return p
 

@@ -50,6 +50,26 @@ def safe_inverse(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
 
 
+def safe_divide(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each bucket (row) of ``xb`` divided by its scale where scale > 0, else 0.
+
+    A division, not a multiplication by 1/scale: 1/scale overflows to Inf for a
+    subnormal scale (all values of a bucket below ~4e-37), which turned codes into NaN.
+    """
+    ok = (scale > 0)[:, None]
+    return torch.where(ok, xb / torch.where(ok, scale[:, None], torch.ones_like(scale[:, None])), torch.zeros_like(xb))
+
+
+def bucket_norm(xb: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each bucket, scaled by its abs-max so the squares neither underflow nor overflow.
+
+    (A plain float32 norm is 0 for values below ~1e-19 and Inf above ~1e19.) NaN or Inf in a
+    bucket gives a NaN norm.
+    """
+    amax = xb.abs().amax(dim=1)
+    return torch.linalg.vector_norm(safe_divide(xb, amax), dim=1) * amax
+
+
 def uniform_noise(shape, seed: int, device) -> torch.Tensor:
     """U[0, 1) noise from a private generator (stochastic rounding)."""
     return torch.rand(shape, generator=generator(seed, device), device=device)
@@ -71,7 +91,7 @@ class _Uniform(Codec):
     def _encode(self, flat, seed):
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1) / self.qmax
-        y = xb * safe_inverse(scale)[:, None]
+        y = safe_divide(xb, scale)
         if self.stochastic:
             y = torch.floor(y + uniform_noise(y.shape, seed, y.device))
         else:
@@ -136,8 +156,8 @@ class QSGD(Codec):
 
     def _encode(self, flat, seed):
         xb = to_buckets(flat, self.bucket)
-        norm = torch.linalg.vector_norm(xb, dim=1)
-        y = xb.abs() * (safe_inverse(norm) * self.levels)[:, None]
+        norm = bucket_norm(xb)
+        y = safe_divide(xb.abs(), norm) * self.levels
         level = torch.floor(y + uniform_noise(y.shape, seed, y.device)).clamp_(0, self.levels)
         signed = torch.where(xb < 0, -level, level) + self.levels
         codes = from_buckets(signed, flat.numel())
@@ -171,7 +191,7 @@ class TernGrad(Codec):
     def _encode(self, flat, seed):
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1)
-        p = xb.abs() * safe_inverse(scale)[:, None]
+        p = safe_divide(xb.abs(), scale)
         keep = uniform_noise(p.shape, seed, p.device) < p
         ternary = torch.where(keep, torch.sign(xb), torch.zeros_like(xb)) + 1
         return pack(from_buckets(ternary, flat.numel()).to(torch.uint8), 2), scale
