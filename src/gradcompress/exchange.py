@@ -20,6 +20,7 @@ bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Generator, Iterable, Sequence
 
@@ -211,7 +212,13 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     rank; it decodes, averages and re-encodes them with ``reencode(k, mean_chunk)``.
     Round 2: all-gather of the re-encoded chunks; every rank decodes all of them into
     ``outs[k]`` (trimmed to its numel). Each rank sends about twice its compressed size.
+    Received chunks are decoded with this rank's payload as the template (layout, seed):
+    the codec must have a fixed layout and a decode that does not depend on the seed.
     """
+    if not codec.fixed_layout:
+        raise ValueError(f"two-step reduce needs a fixed-layout codec, {codec.name} is not")
+    if not chunks:
+        return
     world = comm.world
     send = to_bytes([t for j in range(world) for per_tensor in chunks for t in per_tensor[j].tensors])
     received, work = comm.all_to_all(send)
@@ -219,12 +226,13 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     block_bytes = received.numel() // world
     lays = [layout(per_tensor[comm.rank].tensors) for per_tensor in chunks]
     sizes = [nbytes(per_tensor[comm.rank].tensors) for per_tensor in chunks]
+    offsets = [0, *itertools.accumulate(sizes)]
     mine = []
     for k, per_tensor in enumerate(chunks):
         template = per_tensor[comm.rank]
         total = None
         for i in range(world):
-            start_at = i * block_bytes + sum(sizes[:k])
+            start_at = i * block_bytes + offsets[k]
             tensors = from_bytes(received[start_at : start_at + sizes[k]], lays[k])
             part = codec.decode(template.replace(tensors)).float()
             total = part if total is None else total.add_(part)
@@ -233,11 +241,12 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     yield [work]
     lays2 = [layout(p.tensors) for p in mine]
     sizes2 = [nbytes(p.tensors) for p in mine]
+    offsets2 = [0, *itertools.accumulate(sizes2)]
     for k, out in enumerate(outs):
         flat = out.reshape(-1)
         per = mine[k].numel
         for i, buf in enumerate(gathered):
-            start_at = sum(sizes2[:k])
+            start_at = offsets2[k]
             tensors = from_bytes(buf[start_at : start_at + sizes2[k]], lays2[k])
             lo = i * per
             hi = min(flat.numel(), lo + per)
