@@ -154,3 +154,9 @@ def test_low_precision_buckets(dtype):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), spec
         assert all(x.dtype == dtype and bool(torch.isfinite(x).all()) for x in a), spec
         assert dtypes and all(d == torch.float32 for d in dtypes), spec
+
+
+def test_compressor_object_is_a_valid_ddp_hook():
+    results = launch.run(workers.compressor_as_hook, 2, "topk:ratio=0.05", timeout=TIMEOUT)
+    for as_object, as_method in results:
+        assert _close(as_object, as_method)

@@ -282,3 +282,22 @@ def low_precision(rank, world, specs, dtype):
         out[spec] = ([p.detach().clone() for p in model.parameters()],
                      [r.dtype for r in comp.residual.values()])
     return out
+
+
+def compressor_as_hook(rank, world, spec):
+    """The Compressor object itself as the hook (Lightning's DDPStrategy(ddp_comm_hook=compressor))."""
+    results = []
+    for register in ("object", "method"):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
+        comp = gradcompress.Compressor(spec, min_numel=256)
+        if register == "object":
+            ddp.register_comm_hook(None, comp)
+        else:
+            comp.register(ddp)
+        for step in range(2):
+            x, y = batch(rank, step)
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        results.append([p.grad.clone() for p in model.parameters()])
+    return results

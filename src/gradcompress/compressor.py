@@ -79,6 +79,7 @@ class Compressor:
             raise ValueError(f"Compressor: schedule must be None or 'exp', got {schedule!r}")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"Compressor: error_feedback must be True or False, got {error_feedback!r}")
+        self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.codec.spec})"  # DDP logs hook names
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
@@ -110,6 +111,15 @@ class Compressor:
         self.index_parameters(ddp_model.module.parameters())
         ddp_model.register_comm_hook(self, hook)
         return self
+
+    def __call__(self, state, bucket):
+        """Lets the Compressor itself be passed where a hook is expected, with any state:
+        ``DDPStrategy(ddp_comm_hook=compressor)`` (Lightning) or
+        ``ddp_model.register_comm_hook(None, compressor)``. (No annotations: DDP checks them.)
+        """
+        from .ddp import hook
+
+        return hook(self, bucket)
 
     def index_parameters(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Key state by each parameter's position among those that require grad."""

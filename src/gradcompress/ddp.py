@@ -8,9 +8,12 @@ pass; at the last bucket it drives every bucket's remaining rounds in bucket ord
 completes the futures. All collectives are issued from the thread that runs the hook,
 in the same order on every rank, whatever the number of buckets.
 
-Lightning: ``DDPStrategy(ddp_comm_state=compressor, ddp_comm_hook=gradcompress.ddp.hook)``
-(call ``compressor.index_parameters(model.parameters())`` first), or register the
-hook on the wrapped model yourself.
+Lightning: ``DDPStrategy(ddp_comm_hook=compressor)`` (a Compressor is itself a valid hook).
+State is keyed by parameter position when the Compressor knows the model
+(``register`` or ``index_parameters``); otherwise by the order in which DDP's first
+iteration hands parameters over, which is the same on every rank and in every run of
+the same model (DDP's first buckets follow the model definition), so checkpoints
+still resume exactly.
 """
 
 import torch
@@ -26,11 +29,11 @@ def hook(compressor: Compressor, bucket: dist.GradBucket) -> torch.futures.Futur
     try:
         if not compressor._inflight:
             compressor._begin()
-        params = bucket.parameters()
-        if not compressor._key_of:
-            raise RuntimeError("gradcompress: call compressor.index_parameters(model.parameters()) "
-                               "(or compressor.register(ddp_model)) before training")
-        keys = [compressor._key_of[id(p)] for p in params]
+        keys = []
+        for p in bucket.parameters():
+            if id(p) not in compressor._key_of:  # not indexed up front: first-encounter order, which
+                compressor._key_of[id(p)] = len(compressor._key_of)  # DDP's first iteration fixes
+            keys.append(compressor._key_of[id(p)])
         buffer = bucket.buffer()
         job = compressor._group_job(keys, list(bucket.gradients()), buffer)
         compressor._inflight.append((exchange.start(compressor._timed(job)), fut, buffer))
