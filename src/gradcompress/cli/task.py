@@ -75,6 +75,12 @@ class RunConfig:
         opts.pop("name")
         opts.setdefault("lr", self.lr if self.lr is not None else 1e-3)
         opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
+        # eps 1e-4 rather than Adam's 1e-8: this task has coordinates whose gradient is exactly
+        # zero through the warm-up (weights of the 4 constant pixels, dead ReLU units), so their
+        # frozen variance is 0; after the warm-up the 1-bit momentum gives them +-scale (sign(0)
+        # decodes to +scale) and the update lr * scale / eps blows the loss up (to ~350 at
+        # eps=1e-8, a few steps after the freeze); eps=1e-4 bounds it (97.3 % instead of 96.2 %).
+        opts.setdefault("eps", 1e-4)
         return opts
 
     def learning_rate(self) -> float:
@@ -86,7 +92,7 @@ class RunConfig:
         kind = self.kind()
         if kind == ONEBITADAM:
             o = self.onebitadam_options()
-            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']})"
+            return f"OneBitAdam(lr={o['lr']:g}, eps={o['eps']:g}, warmup_steps={o['warmup_steps']})"
         if kind == "dgc":
             return f"SGD(lr={self.learning_rate():g}, momentum=0; DGC momentum correction)"
         return f"SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"

@@ -36,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam)")
+                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam, whose eps defaults to 1e-4 "
+                        "here; set onebitadam:eps=... to change it)")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="local worker processes when not under torchrun (default 2)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
