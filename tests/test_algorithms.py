@@ -71,3 +71,17 @@ def test_schedules():
     assert ramp_ratio(0, 0, 0.3) == 0.3
     ranks = [codec_at(make("powersgd:rank=2"), t, 0, "exp", 6).rank for t in range(8)]
     assert ranks[0] == 16 and ranks[-1] == 2 and ranks == sorted(ranks, reverse=True)
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "terngrad", "int8:stochastic=true", "randomk:scale=true"])
+def test_error_feedback_with_unbiased_codec_warns(spec):
+    from gradcompress import Compressor
+
+    with pytest.warns(UserWarning, match="error feedback"):
+        Compressor(spec)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Compressor(spec, error_feedback=False)
+        Compressor("topk:ratio=0.01")

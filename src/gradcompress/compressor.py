@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Iterable
 
 import torch
@@ -58,7 +59,10 @@ class Compressor:
         spec: codec spec (``"topk:ratio=0.01"``, a dict, or a codec from :func:`make`).
         process_group: the group to average over (default: the world).
         error_feedback: keep a per-parameter residual and add it to the next gradient.
-            Needed for biased codecs (topk, sign, powersgd, int4); harmless for others.
+            Needed for biased codecs (topk, sign, powersgd, int4, dgc). Turn it off for
+            unbiased stochastic codecs (qsgd, terngrad, ``stochastic=true``, randomk with
+            ``scale=true``): their error can exceed the gradient, and fed back it grows
+            without bound (a warning says so).
         warmup_steps: the first steps are all-reduced dense (2 or more with DDP).
         min_numel: tensors with fewer elements (biases, norms) are sent dense, batched
             into one all-reduce per bucket.
@@ -80,6 +84,9 @@ class Compressor:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"Compressor: error_feedback must be True or False, got {error_feedback!r}")
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.codec.spec})"  # DDP logs hook names
+        if error_feedback and self.codec.unbiased:
+            warnings.warn(f"gradcompress: error feedback with the unbiased codec {self.codec.name!r} accumulates "
+                          "its variance and can diverge; pass error_feedback=False", stacklevel=2)
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)

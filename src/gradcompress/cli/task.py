@@ -115,13 +115,7 @@ def default_error_feedback(scheme: str) -> bool:
     import gradcompress
 
     codec = gradcompress.make(scheme)
-    if codec.name in ("none", "qsgd", "terngrad"):  # none: nothing to feed back
-        return False
-    if codec.name in ("int8", "int4") and codec.stochastic:
-        return False
-    if codec.name == "randomk" and codec.scale:
-        return False
-    return True
+    return codec.name != "none" and not codec.unbiased  # none: nothing to feed back
 
 
 def check_scheme(scheme: str) -> str:

@@ -107,6 +107,10 @@ class Codec:
     shared_seed = False
     #: True when the codec draws random numbers (so a seed matters).
     stochastic = False
+    #: True when E[decode(encode(x))] = x. Such codecs (qsgd, terngrad, stochastic
+    #: rounding, rescaled randomk) are not contractions: their error can exceed ||x||, so
+    #: error feedback would accumulate it without bound; use them without it.
+    unbiased = False
 
     def __post_init__(self) -> None:
         _spec.validate(self)

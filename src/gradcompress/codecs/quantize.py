@@ -85,6 +85,10 @@ class _Uniform(Codec):
     bits = 8
 
     @property
+    def unbiased(self) -> bool:
+        return self.stochastic
+
+    @property
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
@@ -149,6 +153,7 @@ class QSGD(Codec):
     bucket: int = option(512, range=Range(1, None), doc="elements per norm")
     aggregation = Aggregation.REQUANTIZE
     stochastic = True
+    unbiased = True
 
     @property
     def bits(self) -> int:
@@ -187,6 +192,7 @@ class TernGrad(Codec):
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
     aggregation = Aggregation.REQUANTIZE
     stochastic = True
+    unbiased = True
 
     def _encode(self, flat, seed):
         xb = to_buckets(flat, self.bucket)

@@ -135,6 +135,10 @@ class RandomK(Codec):
     shared_seed = True
     preserves_nonfinite = False
 
+    @property
+    def unbiased(self) -> bool:
+        return self.scale
+
     def positions(self, n: int, seed: int, device) -> torch.Tensor:
         k = kept_count(self.ratio, n)
         if k == n:
