@@ -7,7 +7,11 @@ Subcommands:
 * ``gradcompress train`` — one run with one scheme, locally or under ``torchrun``
   (see :mod:`gradcompress.cli.train`);
 * ``gradcompress bench`` — encode/decode speed, compression ratio and error of every
-  codec on one gradient-sized tensor (see :mod:`gradcompress.cli.bench`).
+  codec on one gradient-sized tensor (see :mod:`gradcompress.cli.bench`);
+* ``gradcompress netbench`` — step time and real interface bytes per scheme over emulated
+  hosts (network namespaces, links shaped with tc; root) (see :mod:`gradcompress.cli.netbench`);
+* ``gradcompress plan`` — predicted step time per scheme from an alpha-beta model
+  (see :mod:`gradcompress.cli.plan`).
 
 Errors in the arguments are reported as one line on stderr (exit code 2); a worker
 that fails stops the run and its error is printed (exit code 1).
@@ -32,7 +36,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, train
+    from . import bench, demo, netbench, plan, train
 
     parser = Parser(prog="gradcompress", description="Gradient compression for data-parallel PyTorch training: "
                     "a demo comparing every scheme, single training runs, and a codec benchmark.",
@@ -42,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"gradcompress {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for module in (demo, train, bench):
+    for module in (demo, train, bench, netbench, plan):
         module.add_parser(sub)
     return parser
 

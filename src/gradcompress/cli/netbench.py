@@ -1,0 +1,594 @@
+"""``gradcompress netbench``: step time and real interface bytes per scheme over emulated, shaped links.
+
+Builds ``--workers`` test hosts as Linux network namespaces on one bridge, each host's link
+shaped with ``tc`` (``tbf`` at ``--bandwidth`` in each direction, ``netem`` delay for
+``--latency``; see :mod:`gradcompress.netns`), and starts one worker per host with
+``ip netns exec HOST python -m gradcompress.cli.netbench --worker CONFIG``. The workers
+form a gloo process group exactly as a multi-node launch does (``init_method=
+tcp://HOST0:PORT``, ``GLOO_SOCKET_IFNAME`` the host's veth), so every byte between them
+crosses the shaped links. Needs root and iproute2; everything (namespaces, links,
+processes) is removed on exit, on error, on Ctrl-C and on SIGTERM, and a namespace left
+by a run that was killed outright is removed by the next run.
+
+In one run, for each scheme, on the same model (same initial weights, fixed per-rank
+batches of random data): ``--warmup`` untimed steps, then ``--steps`` timed steps. Our
+schemes are a :class:`gradcompress.Compressor` with ``warmup_steps=2`` as the DDP hook
+(error feedback on for the biased codecs), so every timed step is a compressed step.
+The PyTorch baselines: ``ddp`` (DistributedDataParallel, no hook), ``torch-fp16``
+(``default_hooks.fp16_compress_hook``) and ``torch-powersgd[:rank=R]``
+(``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(process_group=None,
+matrix_approximation_rank=R, start_powerSGD_iter=2)``); that hook launches its second
+all-reduce from a future callback and deadlocks on gloo with more than one bucket, so it
+runs with ``bucket_cap_mb`` larger than the model: one bucket.
+
+Reported per scheme: the median over the timed steps of the step time (the slowest
+rank's); the bytes each host's interface transmitted per step (``tx_bytes`` of its veth
+read inside its namespace before and after the timed steps: payload plus TCP/IP and
+Ethernet headers, ACKs, gloo's own messages); ``stats()['wire_bytes']`` per step beside
+it (ours; for the baselines the same ring count computed by :mod:`gradcompress.costmodel`,
+marked ``model``); their ratio; codec time per step; the speed-up over ``ddp``. Also the
+compute time of one step without any communication (forward + backward + SGD step on
+every worker at once), the number ``plan --compute-ms`` wants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .demo import positive_int, split_schemes
+from .task import CLIError
+
+MODELS = ("mlp", "cnn", "tiny")
+PORT = 29500
+MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
+COMPRESSOR_WARMUP = 2
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+# --------------------------------------------------------------------------- models
+def build_model(name: str, seed: int = 0):
+    """The benchmark models: ``mlp`` 12.6M parameters (1024-2048-2048-2048-1024, communication-bound),
+    ``cnn`` a small convolutional net on 3x32x32 inputs (0.39M, compute-bound), ``tiny`` 85K (tests)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    if name == "mlp":
+        dims = (1024, 2048, 2048, 2048, 1024)
+        layers = []
+        for a, b in zip(dims, dims[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+    if name == "tiny":
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    if name == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(128, 256, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10))
+    raise ValueError(f"unknown model {name!r}; models: {', '.join(MODELS)}")
+
+
+def model_shapes(name: str) -> list[tuple[int, ...]]:
+    """Parameter shapes of a benchmark model, in model order (what ``plan --model`` uses)."""
+    return [tuple(p.shape) for p in build_model(name).parameters()]
+
+
+def _batch(name: str, batch_size: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    if name == "mlp":
+        return torch.randn(batch_size, 1024, generator=g), torch.randn(batch_size, 1024, generator=g)
+    if name == "tiny":
+        return torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+    return torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def _loss(name: str, out, y):
+    import torch.nn.functional as F
+
+    return F.mse_loss(out, y) if name == "mlp" else F.cross_entropy(out, y)
+
+
+# --------------------------------------------------------------------------- arguments
+def _workers(text: str) -> int:
+    v = positive_int(text)
+    if not 2 <= v <= 8:
+        raise argparse.ArgumentTypeError(f"expected 2 to 8 workers, got {text!r}")
+    return v
+
+
+def _rate(text: str) -> float:
+    from ..costmodel import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _duration(text: str) -> float:
+    from ..costmodel import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..costmodel import DEFAULT_SCHEMES
+
+    p = sub.add_parser(
+        "netbench", help="step time and real interface bytes per scheme over emulated shaped links (root)",
+        description="Emulate --workers hosts as network namespaces on a bridge, shape each host's link with tc "
+                    "(tbf for --bandwidth, netem for --latency), run one gloo worker per host and measure, per "
+                    "scheme: median step time, bytes each host's interface transmitted per step next to "
+                    "Compressor.stats() wire bytes, and the speed-up over plain DDP. Needs root and iproute2 "
+                    "(ip, tc); removes every namespace, link and process it made on exit, error, Ctrl-C or "
+                    "SIGTERM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Schemes: ddp (DistributedDataParallel, no hook), torch-fp16 (PyTorch's fp16_compress_hook), "
+               "torch-powersgd[:rank=R] (PyTorch's powerSGD_hook, start_powerSGD_iter=2, run with ONE bucket "
+               "because it deadlocks on gloo with several), or any gradcompress codec spec (our Compressor as "
+               "the DDP hook). Specs contain commas: separate schemes with ';'.\n"
+               "Default schemes: " + "; ".join(DEFAULT_SCHEMES) + "\n"
+               "examples:\n"
+               "  sudo gradcompress netbench --workers 4 --bandwidth 1gbit --model mlp\n"
+               "  sudo gradcompress netbench --workers 2 --bandwidth 100mbit --schemes 'ddp;int8;topk:ratio=0.01' "
+               "--json\n"
+               "Models: mlp (12.6M parameters, communication-bound), cnn (0.39M, compute-bound), tiny (85K).")
+    p.add_argument("--workers", type=_workers, default=4, help="emulated hosts, one worker each: 2 to 8 (default 4)")
+    p.add_argument("--bandwidth", type=_rate, default=_rate("1gbit"), metavar="RATE",
+                   help="link rate per host and direction, tc notation: 100mbit, 1gbit, 10gbit (default 1gbit)")
+    p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
+                   help="one-way delay added on each host's egress with netem, e.g. 1ms (default 0: none; "
+                        "needs the netem qdisc in the kernel)")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="model (default mlp)")
+    p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC",
+                   help="schemes (';'-separated and/or repeated); default: the list below")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per scheme (default 10)")
+    p.add_argument("--warmup", type=positive_int, default=MIN_WARMUP,
+                   help=f"untimed steps before them, at least {MIN_WARMUP} (default {MIN_WARMUP}; the first "
+                        f"{COMPRESSOR_WARMUP} are dense)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="examples per worker per step (default 32)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per worker (default: CPU cores / workers, at least 1)")
+    p.add_argument("--timeout", type=positive_int, default=900,
+                   help="seconds before the whole run is stopped (default 900)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+    return p
+
+
+def check_schemes(texts: list[str]) -> list[str]:
+    from ..costmodel import parse_scheme
+
+    out = []
+    for t in texts:
+        try:
+            out.append(parse_scheme(t).text)
+        except (ValueError, TypeError) as err:
+            msg = " ".join(str(err).split())
+            if "unknown codec" in msg:
+                import gradcompress
+
+                msg = (f"unknown scheme {t.partition(':')[0].strip()!r}; valid: ddp, torch-fp16, torch-powersgd, "
+                       f"{', '.join(gradcompress.available())}")
+            raise CLIError(msg) from None
+    return out
+
+
+# --------------------------------------------------------------------------- the parent
+class _Stop(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import netns
+    from ..costmodel import DEFAULT_SCHEMES
+
+    why = netns.problem()
+    if why:
+        raise CLIError(why)
+    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(DEFAULT_SCHEMES))
+    if not schemes:
+        raise CLIError("--schemes is empty")
+    if args.warmup < MIN_WARMUP:
+        raise CLIError(f"--warmup must be at least {MIN_WARMUP} (2 dense steps, then at least one compressed "
+                       f"step before timing)")
+    stale = netns.cleanup_stale()
+    if stale:
+        print(f"netbench: removed {len(stale)} namespace(s) left by a crashed run: {', '.join(stale)}",
+              file=sys.stderr)
+    if args.latency > 0 and not netns.netem_available():
+        raise CLIError("--latency needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM); "
+                       "run without --latency")
+    result = bench(schemes, args.workers, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
+                   args.batch_size, args.threads, args.timeout)
+    if args.json:
+        print(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
+          batch_size: int, threads: int | None, timeout: float) -> dict:
+    """Build the testbed, run every scheme on every host, tear everything down; the merged result."""
+    from .. import launch, netns
+
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    tmp = tempfile.mkdtemp(prefix="gradcompress-netbench-")
+    bed = netns.Testbed(workers, rate_bit=rate_bit, delay_s=latency_s)
+    previous = {}
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in _SIGNALS:  # SIGINT too: a shell may have started us with SIGINT ignored
+        try:
+            previous[sig] = signal.signal(sig, on_signal)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    logs = []
+    stop_echo = echo = None
+    try:
+        print(f"netbench: {workers} hosts, {_fmt_rate(rate_bit)}"
+              f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
+              f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
+        try:
+            bed.up()
+        except netns.NetnsError as err:
+            raise CLIError(f"could not build the test network: {err}") from None
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=bed.ifname, OMP_NUM_THREADS=str(threads),
+                   PYTHONUNBUFFERED="1")
+        env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None), env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        for rank in range(workers):
+            cfg = {"parent": os.getpid(), "rank": rank, "world": workers, "master": bed.addresses[0], "port": PORT, "model": model,
+                   "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
+                   "threads": threads, "ifname": bed.ifname, "out": os.path.join(tmp, f"rank{rank}.json"),
+                   "collective_timeout": max(60.0, min(timeout, 600.0))}
+            path = os.path.join(tmp, f"rank{rank}.cfg.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
+            logs.append(log)
+            bed.spawn(rank, [sys.executable, "-m", "gradcompress.cli.netbench", "--worker", path], env=env,
+                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stop_echo = threading.Event()
+        echo = threading.Thread(target=_echo_progress, args=(os.path.join(tmp, "rank0.log"), stop_echo), daemon=True)
+        echo.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in bed.procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                r = bad[0]
+                time.sleep(0.5)  # let a peer's clearer error land in its log
+                raise launch.WorkerError(r, _log_tail(tmp, r) or f"exited with code {codes[r]}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"netbench did not finish within {timeout:.0f} s (raise --timeout, or fewer "
+                                   f"--steps/--schemes at low --bandwidth)")
+            time.sleep(0.2)
+        records = []
+        for rank in range(workers):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                records.append(json.load(f))
+    finally:
+        try:  # a second Ctrl-C must not cut the teardown short: hold signals until it is done
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
+        except (ValueError, OSError):
+            mask = None
+        try:
+            if stop_echo is not None:
+                stop_echo.set()
+                echo.join(timeout=2)
+            errors = bed.down()
+            for log in logs:
+                log.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            if errors:
+                print(f"netbench: teardown problems: {'; '.join(errors)}", file=sys.stderr)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return merge(records, schemes, workers, rate_bit, latency_s, model, steps, warmup, batch_size, threads)
+
+
+def _echo_progress(path: str, stop: threading.Event) -> None:
+    """Copy rank 0's progress lines (``netbench: ...``) from its log to stderr while the run lasts."""
+    pos = 0
+    while True:
+        done = stop.wait(0.3)
+        try:
+            with open(path) as f:
+                f.seek(pos)
+                chunk = f.read()
+        except OSError:
+            chunk = ""
+        complete = chunk[: chunk.rfind("\n") + 1]
+        pos += len(complete.encode())
+        for line in complete.splitlines():
+            if line.startswith("netbench: "):
+                print(line, file=sys.stderr, flush=True)
+        if done:
+            return
+
+
+def _log_tail(tmp: str, rank: int, lines: int = 40) -> str:
+    path = os.path.join(tmp, f"rank{rank}.log")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _fmt_rate(bit: float) -> str:
+    from ..costmodel import format_rate
+
+    return format_rate(bit)
+
+
+def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str,
+          steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+    """Every rank's records into the per-scheme figures (see the module docstring)."""
+    from ..costmodel import parse_scheme, wire_bytes
+
+    shapes = [tuple(s) for s in records[0]["shapes"]]
+    rows = []
+    for i, text in enumerate(schemes):
+        recs = [r["schemes"][i] for r in records]
+        per_step = [max(r["step_seconds"][k] for r in recs) for k in range(steps)]
+        iface = [r["iface_tx_bytes"] / steps for r in recs]
+        scheme = parse_scheme(text)
+        cap = recs[0]["bucket_cap_bytes"]
+        model_bytes = wire_bytes(scheme, shapes, workers, cap)
+        if recs[0]["wire_bytes"] is not None:
+            wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / steps, "stats"
+        else:
+            wire, source = float(model_bytes), "model"
+        codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
+        rows.append({
+            "scheme": text,
+            "kind": scheme.kind,
+            "median_step_s": statistics.median(per_step),
+            "step_s": per_step,
+            "iface_tx_bytes_per_step": statistics.fmean(iface),
+            "iface_tx_bytes_per_step_by_host": iface,
+            "wire_bytes_per_step": wire,
+            "wire_bytes_source": source,
+            "model_wire_bytes_per_step": model_bytes,
+            "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
+            "codec_s_per_step": statistics.fmean(codec) / steps if codec else None,
+            "buckets": recs[0]["buckets"],
+            "error_feedback": recs[0]["error_feedback"],
+            "final_loss": recs[0]["loss"],
+        })
+    base = next((r for r in rows if r["scheme"] == "ddp"), None) or next((r for r in rows if r["scheme"] == "none"),
+                                                                          None)
+    for r in rows:
+        r["speedup"] = base["median_step_s"] / r["median_step_s"] if base and r["median_step_s"] > 0 else None
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "workers": workers,
+        "bandwidth_bit": rate_bit,
+        "latency_s": latency_s,
+        "model": model,
+        "params": sum(math.prod(s) for s in shapes),
+        "shapes": [list(s) for s in shapes],
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "threads_per_worker": threads,
+        "cpu_count": os.cpu_count(),
+        "compute_s": statistics.fmean(r["compute_s"] for r in records),
+        "baseline": base["scheme"] if base else None,
+        "torch_powersgd_bucket_cap_mb": records[0]["one_bucket_cap_mb"],
+        "schemes": rows,
+    }
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def format_table(result: dict) -> str:
+    head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "buckets")
+    rows = [head]
+    for r in result["schemes"]:
+        wire = _human(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
+        rows.append((r["scheme"], f"{1e3 * r['median_step_s']:.1f}",
+                     "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                     _human(r["iface_tx_bytes_per_step"]), wire,
+                     "n/a" if r["iface_over_wire"] is None else f"{r['iface_over_wire']:.3f}",
+                     "-" if r["codec_s_per_step"] is None else f"{1e3 * r['codec_s_per_step']:.1f}",
+                     str(r["buckets"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lat = f", {result['latency_s'] * 1e3:g} ms one-way delay" if result["latency_s"] else ""
+    lines = [f"{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
+             f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
+             f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
+             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step"]
+    for k, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append(f"speed-up: over {result['baseline'] or 'n/a'}; iface: bytes each host's veth transmitted per "
+                 "step (mean over hosts); wire: Compressor.stats() wire_bytes per step, '(model)': the same ring "
+                 "count computed for a PyTorch baseline")
+    if any(r["kind"] == "torch-powersgd" for r in result["schemes"]):
+        lines.append(f"torch-powersgd ran with ONE bucket (bucket_cap_mb={result['torch_powersgd_bucket_cap_mb']}): "
+                     "PyTorch's powerSGD_hook deadlocks on gloo with more than one bucket")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the worker
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent (netbench, pid ``parent``) is gone, so that no worker outlives a killed run."""
+
+    def loop():
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def _read_tx(ifname: str) -> int:
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _worker(cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import gradcompress
+    from ..costmodel import default_error_feedback, parse_scheme
+
+    rank, world = cfg["rank"], cfg["world"]
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}:{cfg['port']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=cfg["collective_timeout"]))
+    name = cfg["model"]
+    x, y = _batch(name, cfg["batch_size"], rank)
+    shapes = [list(p.shape) for p in build_model(name).parameters()]
+    model_bytes = sum(4 * math.prod(s) for s in shapes)
+    one_bucket_mb = int(model_bytes / 2**20) + 2
+
+    # compute alone: every worker at once, in lockstep, no communication
+    model = build_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for k in range(7):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        _loss(name, model(x), y).backward()
+        opt.step()
+        if k >= 2:
+            times.append(time.perf_counter() - start)
+    compute_s = statistics.median(times)
+    del model, opt
+
+    records = []
+    for i, text in enumerate(cfg["schemes"]):
+        scheme = parse_scheme(text)
+        model = build_model(name)
+        cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+        comp = None
+        ef = default_error_feedback(scheme)
+        if scheme.kind == "torch-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif scheme.kind == "torch-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
+                                                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif scheme.kind == "ours":
+            comp = gradcompress.Compressor(text, warmup_steps=COMPRESSOR_WARMUP, error_feedback=ef, seed=0)
+            comp.register(ddp)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(name, ddp(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        for _ in range(cfg["warmup"]):
+            step()
+        dist.barrier()  # every earlier byte has crossed the links (peers received it)
+        time.sleep(0.05)  # and the last ACKs too
+        tx0 = _read_tx(cfg["ifname"])
+        st0 = comp.stats() if comp else None
+        step_times = []
+        loss = float("nan")
+        for _ in range(cfg["steps"]):
+            start = time.perf_counter()
+            loss = step()
+            step_times.append(time.perf_counter() - start)
+        st1 = comp.stats() if comp else None
+        # a collective is complete here once its bytes are in the socket buffers, not yet through the shaped
+        # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
+        dist.barrier()
+        time.sleep(0.05)
+        tx1 = _read_tx(cfg["ifname"])
+        logging = ddp._get_ddp_logging_data()
+        sizes = str(logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes") or "")
+        buckets = len([s for s in sizes.split(",") if s.strip()])
+        records.append({
+            "scheme": text,
+            "step_seconds": step_times,
+            "iface_tx_bytes": tx1 - tx0,
+            "wire_bytes": None if comp is None else st1["wire_bytes"] - st0["wire_bytes"],
+            "codec_seconds": None if comp is None else st1["codec_seconds"] - st0["codec_seconds"],
+            "buckets": buckets,
+            "bucket_cap_bytes": None if cap_mb is None else cap_mb * 2**20,
+            "error_feedback": ef,
+            "loss": loss if math.isfinite(loss) else None,
+        })
+        if rank == 0:
+            print(f"netbench: [{i + 1}/{len(cfg['schemes'])}] {text}: "
+                  f"{1e3 * statistics.median(step_times):.1f} ms/step, "
+                  f"{(tx1 - tx0) / cfg['steps'] / 1e6:.2f} MB/step sent by host 0", file=sys.stderr, flush=True)
+        del ddp, comp, opt, model
+        dist.barrier()
+    with open(cfg["out"] + ".part", "w") as f:
+        json.dump({"rank": rank, "compute_s": compute_s, "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
+                   "schemes": records}, f)
+    os.replace(cfg["out"] + ".part", cfg["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "--worker":
+        print("usage: python -m gradcompress.cli.netbench --worker CONFIG.json (started by gradcompress netbench)",
+              file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        cfg = json.load(f)
+    _watch_parent(cfg["parent"])  # first: a parent killed while we import torch is noticed too
+    _worker(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

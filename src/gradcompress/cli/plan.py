@@ -1,0 +1,225 @@
+"""``gradcompress plan``: predict the step time of every scheme on a given network, before running anything.
+
+The model is :mod:`gradcompress.costmodel` (alpha-beta costs of the collectives each scheme
+uses, DDP's buckets, communication overlapping the backward pass). Its per-element codec
+costs come from a short calibration on this machine: ``encode`` and ``decode`` of each
+codec on ``--calibration-numel`` float32 elements (4M; PowerSGD on a 2048-row matrix),
+and one elementwise pass, median of 3 after a warm-up, with ``--threads`` torch threads
+(1, as ``netbench``'s workers on 2 cores), scaled linearly to the model's size. Prints,
+per scheme, the bytes each worker sends per step, communication and codec time, the
+predicted step time and the speed-up over uncompressed DDP, and which schemes pay off.
+
+The model's tensors: ``--model`` (a ``netbench`` model, exact shapes) or ``--params P``
+(P elements as ``--matrix-side`` square matrices). ``--compute-ms``: forward + backward +
+optimizer step of one worker without communication (``netbench`` reports it as "compute
+alone"); 2/3 of it is the backward pass that communication can hide under. ``--cores K``:
+the workers share K cores (as in ``netbench`` on one machine), so codec work is slowed
+by max(1, workers x threads / K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from .demo import positive_float, positive_int, split_schemes
+from .task import CLIError
+
+CALIBRATION_NUMEL = 4 * 1024 * 1024
+MATRIX_ROWS = 2048
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..costmodel import DEFAULT_SCHEMES, FRAMING_EFFICIENCY, SOFTWARE_ALPHA
+    from .netbench import MODELS, _duration, _rate
+
+    p = sub.add_parser(
+        "plan", help="predict step time per scheme for a model size, worker count and network (alpha-beta model)",
+        description="Predict, per scheme, the bytes each worker sends, the communication and codec time and the "
+                    "step time of data-parallel training, with an alpha-beta model of the collectives each scheme "
+                    "uses and codec speeds measured on this machine by a short calibration; say which schemes "
+                    "pay off against uncompressed DDP and by how much.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  gradcompress plan --params 25e6 --workers 8 --bandwidth 10gbit --latency 50us --compute-ms 120\n"
+               "  gradcompress plan --model mlp --workers 4 --bandwidth 1gbit --compute-ms 60 --cores 2\n"
+               "Schemes as in 'gradcompress netbench' (ddp, torch-fp16, torch-powersgd[:rank=R], or codec specs, "
+               "';'-separated). Default: " + "; ".join(DEFAULT_SCHEMES))
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=positive_float, metavar="P", help="number of parameters (e.g. 12.6e6)")
+    size.add_argument("--model", choices=MODELS, help="a netbench model (its exact tensor shapes)")
+    p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="data-parallel workers")
+    p.add_argument("--bandwidth", type=_rate, required=True, metavar="RATE",
+                   help="link rate per worker and direction: 100mbit, 1gbit, 10gbit, ...")
+    p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
+                   help="one-way latency, e.g. 1ms (default 0); each message step also costs "
+                        f"--per-message-us (default {SOFTWARE_ALPHA * 1e6:g} us)")
+    p.add_argument("--compute-ms", type=_nonnegative_float, default=100.0, metavar="C",
+                   help="forward + backward + optimizer step without communication, ms (default 100)")
+    p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC", help="schemes (default: the list below)")
+    p.add_argument("--cores", type=positive_int, default=None, metavar="K",
+                   help="the workers share K CPU cores (netbench on one machine): codec work x workers*threads/K")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--matrix-side", type=positive_int, default=2048,
+                   help="with --params: the tensors are matrices of this many rows and columns (default 2048)")
+    p.add_argument("--per-message-us", type=_nonnegative_float, default=SOFTWARE_ALPHA * 1e6,
+                   help=f"software cost per message step, us (default {SOFTWARE_ALPHA * 1e6:g})")
+    p.add_argument("--efficiency", type=positive_float, default=FRAMING_EFFICIENCY,
+                   help=f"payload share of the link rate (default {FRAMING_EFFICIENCY:.3f}: TCP/IP/Ethernet headers "
+                        "at MTU 1500)")
+    p.add_argument("--calibration-numel", type=positive_int, default=CALIBRATION_NUMEL,
+                   help=f"elements timed per codec in the calibration (default {CALIBRATION_NUMEL})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+    return p
+
+
+# --------------------------------------------------------------------------- calibration
+def _median_time(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, repeats: int = 3):
+    """Per-element encode/decode costs of ``codecs`` and of one elementwise pass, on this machine."""
+    import torch
+
+    from ..costmodel import Speeds
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(numel, generator=g) * 1e-3
+        y = torch.randn(numel, generator=g) * 1e-3
+        z = torch.empty_like(x)
+        ew = _median_time(lambda: torch.add(x, y, out=z), repeats) / numel
+        enc, dec = {}, {}
+        for codec in codecs:
+            if codec.spec in enc:
+                continue
+            t = x
+            if codec.name == "powersgd":
+                cols = max(1, numel // MATRIX_ROWS)
+                t = x[: MATRIX_ROWS * cols].view(MATRIX_ROWS, cols)
+            payload = codec.encode(t, seed=0)
+            enc[codec.spec] = _median_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()
+            dec[codec.spec] = _median_time(lambda: codec.decode(payload), repeats) / t.numel()
+        return Speeds(elementwise=ew, encode=enc, decode=dec)
+    finally:
+        torch.set_num_threads(old)
+
+
+# --------------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> int:
+    from .. import costmodel as cm
+    from .netbench import check_schemes, model_shapes
+
+    schemes = [cm.parse_scheme(s) for s in check_schemes(split_schemes(args.schemes) if args.schemes
+                                                           else list(cm.DEFAULT_SCHEMES))]
+    if not schemes:
+        raise CLIError("--schemes is empty")
+    if args.params is not None:
+        params = int(round(args.params))
+        if params < 1:
+            raise CLIError("--params must be at least 1")
+        shapes = cm.square_shapes(params, args.matrix_side)
+        size_text = f"{params:,} parameters as {args.matrix_side}x{args.matrix_side} matrices"
+    else:
+        shapes = model_shapes(args.model)
+        size_text = f"model {args.model} ({sum(cm.numel_of(s) for s in shapes):,} parameters)"
+    for s in schemes:
+        if s.kind == "ours" and s.codec.name == "threshold":
+            raise CLIError("threshold sends a data-dependent number of values; plan cannot predict it")
+    contention = max(1.0, args.workers * args.threads / args.cores) if args.cores else 1.0
+    codecs = [c for c in (cm.speed_codec(s) for s in schemes) if c is not None]
+    print(f"plan: calibrating {len({c.spec for c in codecs})} codec(s) on {args.calibration_numel:,} elements "
+          f"({args.threads} thread(s))...", file=sys.stderr)
+    speeds = calibrate(codecs, args.calibration_numel, args.threads)
+    preds = cm.with_speedups([
+        cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
+                   latency_s=args.latency, contention=contention, efficiency=args.efficiency,
+                   software_alpha=args.per_message_us / 1e6)
+        for s in schemes])
+    result = {
+        "workers": args.workers, "bandwidth_bit": args.bandwidth, "latency_s": args.latency,
+        "compute_s": args.compute_ms / 1e3, "params": sum(cm.numel_of(s) for s in shapes), "size": size_text,
+        "contention": contention, "threads": args.threads, "per_message_s": args.per_message_us / 1e6,
+        "efficiency": args.efficiency,
+        "calibration": {"numel": args.calibration_numel, "elementwise_s_per_elem": speeds.elementwise,
+                        "encode_s_per_elem": speeds.encode, "decode_s_per_elem": speeds.decode},
+        "predictions": [dataclasses.asdict(p) for p in preds],
+    }
+    if args.json:
+        print(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def verdict(speedup: float | None) -> str:
+    if speedup is None:
+        return "n/a"
+    if speedup >= 1.05:
+        return f"pays off ({speedup:.2f}x)"
+    if speedup > 0.95:
+        return "about even"
+    return f"slower ({1 / speedup:.2f}x the time)"
+
+
+def format_table(result: dict) -> str:
+    from ..costmodel import format_rate
+
+    head = ("scheme", "sent/step", "comm ms", "codec ms", "step ms", "speed-up", "verdict")
+    rows = [head]
+    for p in result["predictions"]:
+        rows.append((p["scheme"], _human(p["wire_bytes"]), f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}",
+                     f"{1e3 * p['step_s']:.1f}", "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x",
+                     verdict(p["speedup"]) if p["scheme"] != "ddp" else "baseline"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lat = f", {result['latency_s'] * 1e3:g} ms latency" if result["latency_s"] else ""
+    lines = [f"{result['workers']} workers at {format_rate(result['bandwidth_bit'])}{lat}; {result['size']}; "
+             f"compute {1e3 * result['compute_s']:g} ms/step"
+             + (f"; codec work x{result['contention']:.2f} (shared cores)" if result["contention"] > 1 else "")]
+    for k, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    ranked = sorted((p for p in result["predictions"] if p["speedup"] is not None), key=lambda p: -p["speedup"])
+    if ranked:
+        best = ranked[0]
+        pay = [p["scheme"] for p in ranked if p["speedup"] >= 1.05 and p["scheme"] != "ddp"]
+        lines.append(f"best: {best['scheme']}, {best['speedup']:.2f}x uncompressed DDP; pay off (>= 5%): "
+                     f"{', '.join(pay) if pay else 'none'}")
+    lines.append("sent/step: bytes each worker transmits per step (ring count); comm: the collectives' time on the "
+                 "link (part of it hidden under the backward pass); codec: encode/decode/error-feedback work")
+    return "\n".join(lines)
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

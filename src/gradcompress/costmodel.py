@@ -1,0 +1,557 @@
+"""An alpha-beta model of one data-parallel training step with gradient compression (pure functions).
+
+Used by ``gradcompress plan``; checked against ``gradcompress netbench`` in BENCHMARKS.md.
+Units: bytes, seconds; a link's payload bandwidth ``B`` in bytes/s (:func:`payload_bandwidth`
+turns a link rate in bit/s into it), ``alpha`` the fixed cost of one message step (the
+one-way latency plus a software overhead per message).
+
+Collectives, W workers, each behind its own full-duplex link (as ``exchange`` counts them):
+
+* all-reduce of M bytes (ring: reduce-scatter + all-gather):  2(W-1)/W M/B + 2(W-1) alpha
+* all-gather of M bytes per rank (ring):                        (W-1) M/B + (W-1) alpha
+* all-to-all of M bytes per rank (equal blocks):               (W-1)/W M/B + (W-1) alpha
+* two-step reduce of a compressed size Mc (all-to-all + all-gather of the Mc/W re-encoded
+  chunk):                                                       2(W-1)/W Mc/B + 2(W-1) alpha
+
+What each scheme sends (:func:`wire_bytes`, byte for byte what ``Compressor.stats()``
+counts for ours): ``ddp`` one all-reduce of the float32 bucket per DDP bucket;
+``torch-fp16`` the same in float16; ``torch-powersgd`` (one bucket) P and Q all-reduced
+in two rounds, the vectors and the matrices not worth compressing all-reduced dense;
+ours per DDP bucket: the dense small tensors (plus a 4-byte finiteness flag) all-reduced,
+the others by the codec's aggregation: ``SUM`` one all-reduce of the payloads, ``GATHER``
+one all-gather, ``REQUANTIZE`` the two-step reduce of per-rank chunks, ``LOWRANK``
+(PowerSGD) all-reduces of P then Q.
+
+The step (:func:`simulate_step`): forward (1/3 of the compute time), then backward (2/3).
+DDP hands a bucket to the hook when its gradients are ready (after the share of the
+backward pass proportional to the parameters behind it, in reverse order); the hook's
+codec work runs on the backward thread and delays the rest of it; the bucket's first
+round of collectives starts then and overlaps with the remaining backward pass. The link
+carries one collective at a time (first come, first served). Later rounds (and the codec
+work between rounds) run after the backward pass, bucket after bucket, as
+``exchange.drive`` does; PyTorch's PowerSGD hook has one bucket so the same holds.
+Codec work is counted in passes over the elements with per-element costs measured on
+the machine (:class:`Speeds`): encode, decode and one elementwise pass (error feedback
+adds, copies) per codec, multiplied by ``contention`` when workers share CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Sequence
+
+BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
+DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
+                   "topk:ratio=0.01", "powersgd:rank=1", "powersgd:rank=4")
+#: TCP/IPv4 (with timestamps) + Ethernet headers: 66 bytes per 1448-byte segment at MTU 1500
+FRAMING_EFFICIENCY = 1448 / 1514
+#: software cost of one message step of a gloo collective over TCP (per alpha term), seconds
+SOFTWARE_ALPHA = 100e-6
+BACKWARD_SHARE = 2 / 3
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+MIN_NUMEL = 1024  # Compressor's default: smaller tensors travel dense
+FLOAT_BYTES = 4
+
+# --------------------------------------------------------------------------- units
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in bit/s from tc's notation: ``100mbit``, ``1gbit``, ``10Gbit``, ``125mbps`` (bytes/s)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)(?:/s)?\s*", str(text).lower())
+    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"bad rate {text!r}: expected a positive number with a unit (bit, kbit, mbit, gbit; "
+                         "bps, kbps, mbps, gbps are bytes/s), e.g. 100mbit, 1gbit, 10gbit")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def parse_duration(text: str) -> float:
+    """A duration in seconds: ``1ms``, ``500us``, ``0.2s``, ``0``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or (m.group(2) not in _TIME_UNITS and not (m.group(2) == "" and float(m.group(1)) == 0)):
+        raise ValueError(f"bad duration {text!r}: expected a number with a unit (s, ms, us), e.g. 1ms, or 0")
+    return float(m.group(1)) * _TIME_UNITS.get(m.group(2), 1.0)
+
+
+def format_rate(bit_per_s: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bit_per_s >= scale:
+            return f"{bit_per_s / scale:g} {unit}"
+    return f"{bit_per_s:g} bit/s"
+
+
+def payload_bandwidth(rate_bit: float, efficiency: float = FRAMING_EFFICIENCY) -> float:
+    """Payload bytes per second through a link of ``rate_bit`` bit/s."""
+    return rate_bit / 8 * efficiency
+
+
+# --------------------------------------------------------------------------- collectives
+def allreduce_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 0.0) -> float:
+    """Ring all-reduce of ``nbytes``: 2(W-1)/W M/B + 2(W-1) alpha (0 for one worker or no bytes)."""
+    if workers <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (workers - 1) / workers * nbytes / bandwidth + 2 * (workers - 1) * alpha
+
+
+def allgather_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 0.0) -> float:
+    """Ring all-gather of ``nbytes`` per rank: (W-1) M/B + (W-1) alpha."""
+    if workers <= 1 or nbytes <= 0:
+        return 0.0
+    return (workers - 1) * nbytes / bandwidth + (workers - 1) * alpha
+
+
+def alltoall_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 0.0) -> float:
+    """All-to-all of ``nbytes`` per rank in W equal blocks: (W-1)/W M/B + (W-1) alpha."""
+    if workers <= 1 or nbytes <= 0:
+        return 0.0
+    return (workers - 1) / workers * nbytes / bandwidth + (workers - 1) * alpha
+
+
+def two_step_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 0.0) -> float:
+    """Two-step reduce of a compressed size Mc: all-to-all of Mc, then all-gather of Mc/W."""
+    return alltoall_time(nbytes, workers, bandwidth, alpha) + allgather_time(nbytes / workers, workers, bandwidth,
+                                                                             alpha)
+
+
+def allreduce_bytes(nbytes: int, workers: int) -> int:
+    """Bytes one rank transmits in a ring all-reduce (as ``exchange.Collectives`` counts them)."""
+    return 2 * (workers - 1) * nbytes // workers if workers > 1 else 0
+
+
+def allgather_bytes(nbytes: int, workers: int) -> int:
+    return (workers - 1) * nbytes if workers > 1 else 0
+
+
+def alltoall_bytes(nbytes: int, workers: int) -> int:
+    return (workers - 1) * nbytes // workers if workers > 1 else 0
+
+
+# --------------------------------------------------------------------------- schemes and payloads
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A scheme as ``netbench`` and ``plan`` name it: a PyTorch baseline or one of our codec specs."""
+
+    text: str
+    kind: str  # "ddp", "torch-fp16", "torch-powersgd" or "ours"
+    codec: object = None  # ours: the codec
+    rank: int = 1  # torch-powersgd: matrix_approximation_rank
+
+    @property
+    def label(self) -> str:
+        return self.text if self.kind != "ours" else f"ours {self.text}"
+
+
+def parse_scheme(text: str) -> Scheme:
+    """``ddp``, ``torch-fp16``, ``torch-powersgd[:rank=R]`` or a codec spec; ``ValueError`` otherwise."""
+    from .spec import make, parse
+
+    text = str(text).strip()
+    name = text.partition(":")[0].strip()
+    if name in ("ddp", "torch-fp16"):
+        if text != name:
+            raise ValueError(f"{name} takes no options, got {text!r}")
+        return Scheme(text, name)
+    if name == "torch-powersgd":
+        opts = parse(text)
+        opts.pop("name")
+        rank = opts.pop("rank", 1)
+        if opts or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"torch-powersgd takes one option, rank (an integer >= 1), got {text!r}")
+        return Scheme(text, "torch-powersgd", rank=rank)
+    return Scheme(text, "ours", codec=make(text))
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def payload_bytes(codec, numel: int, shape: Sequence[int] | None = None) -> int:
+    """Bytes one ``codec.encode`` of a float32 tensor sends (PowerSGD's factors: pass ``shape``).
+
+    Exact for the fixed-layout codecs; ``dgc`` counts its target k values; ``threshold``
+    (data-dependent) raises ``ValueError``.
+    """
+    n = int(numel)
+    name = codec.name
+    if n == 0:
+        return 0
+    if name == "none":
+        return FLOAT_BYTES * n
+    if name in ("fp16", "bf16"):
+        return 2 * n
+    if name in ("int8", "int4", "sign", "terngrad", "qsgd"):
+        scales = FLOAT_BYTES * _ceil_div(n, codec.bucket)
+        if name == "qsgd" and codec.bits > 8:
+            return 2 * n + scales
+        bits = {"int8": 8, "int4": 4, "sign": 1, "terngrad": 2}.get(name) or codec.bits
+        return _ceil_div(n * bits, 8) + scales
+    if name in ("topk", "dgc"):
+        k = min(n, max(1, math.ceil(codec.ratio * n)))
+        values = FLOAT_BYTES * k if codec.values is None else payload_bytes(codec.values, k)
+        return values + 4 * k
+    if name == "randomk":
+        return FLOAT_BYTES * min(n, max(1, math.ceil(codec.ratio * n)))
+    if name == "powersgd":
+        nm = codec.matrix_shape(tuple(shape)) if shape is not None else None
+        if nm is None:
+            return FLOAT_BYTES * n
+        r = min(codec.rank, *nm)
+        return FLOAT_BYTES * (nm[0] + nm[1]) * r
+    if name == "threshold":
+        raise ValueError("threshold's payload size depends on the data; the model cannot predict it")
+    return int(codec.wire_nbytes(n))
+
+
+def chunk_numel(numel: int, workers: int, block: int = 8) -> int:
+    """Elements per chunk in the two-step reduce (mirrors ``exchange.chunk_numel``)."""
+    per = -(-numel // workers)
+    return -(-per // block) * block
+
+
+def ddp_buckets(nbytes: Sequence[int], cap: int = DDP_BUCKET_BYTES,
+                first_cap: int = DDP_FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """DDP's (rebuilt) buckets: indices into ``nbytes`` (given in gradient-ready order, i.e. the
+    parameters reversed). A bucket closes once it holds at least its cap; the first one's cap is
+    ``first_cap`` (1 MiB when DDP's default cap is used, else the cap)."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, b in enumerate(nbytes):
+        cur.append(i)
+        size += b
+        if size >= (first_cap if not buckets else cap):
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def buckets_for(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket_cap: int | None = None) -> list[list[int]]:
+    """Bucket assignment (indices into ``shapes``, which are in model order) the scheme runs with."""
+    order = list(range(len(shapes)))[::-1]
+    sizes = [FLOAT_BYTES * numel_of(shapes[i]) for i in order]
+    if scheme.kind == "torch-powersgd":
+        return [order]
+    cap = DDP_BUCKET_BYTES if bucket_cap is None else bucket_cap
+    first = DDP_FIRST_BUCKET_BYTES if bucket_cap is None else bucket_cap
+    return [[order[j] for j in b] for b in ddp_buckets(sizes, cap, first)]
+
+
+def _torch_powersgd_compresses(shape: Sequence[int], rank: int) -> tuple[int, int] | None:
+    """(n, m) when PyTorch's powerSGD_hook compresses a tensor (ndim >= 2, worth it at rate 2)."""
+    if len(shape) < 2:
+        return None
+    n, m = shape[0], numel_of(shape[1:])
+    r = min(n, m, rank)
+    return (n, m) if (n + m) * r * 2 < n * m else None
+
+
+def _compressible(scheme: Scheme, shape: Sequence[int], min_numel: int = MIN_NUMEL) -> bool:
+    codec = scheme.codec
+    if numel_of(shape) < min_numel:
+        return False
+    if codec.name == "powersgd" and codec.matrix_shape(tuple(shape)) is None:
+        return False
+    return True
+
+
+def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int],
+                workers: int) -> list[tuple[str, int, int]]:
+    """The rounds of one bucket: ``[(collective, local buffer bytes M, bytes this rank sends)]``.
+
+    One entry per round; collectives issued together in a round (the dense tensors'
+    all-reduce beside the compressed exchange) are summed into it.
+    """
+    W = workers
+    numels = [numel_of(shapes[i]) for i in bucket]
+    total = sum(numels)
+    if scheme.kind == "ddp":
+        return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
+    if scheme.kind == "torch-fp16":
+        return [("allreduce", 2 * total, allreduce_bytes(2 * total, W))]
+    if scheme.kind == "torch-powersgd":
+        dense = ps = qs = 0
+        for i in bucket:
+            nm = _torch_powersgd_compresses(shapes[i], scheme.rank)
+            if nm is None:
+                dense += numel_of(shapes[i])
+            else:
+                r = min(scheme.rank, *nm)
+                ps += nm[0] * r
+                qs += nm[1] * r
+        b1 = FLOAT_BYTES * (dense + ps)
+        sent1 = allreduce_bytes(FLOAT_BYTES * dense, W) + allreduce_bytes(FLOAT_BYTES * ps, W)
+        return [("allreduce", b1, sent1), ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
+    codec = scheme.codec
+    comp = [i for i in bucket if _compressible(scheme, shapes[i])]
+    dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
+    dense_bytes = FLOAT_BYTES * (dense + 1)  # + the finiteness flag
+    dense_sent = allreduce_bytes(dense_bytes, W)
+    if not comp:
+        return [("allreduce", dense_bytes, dense_sent)]
+    agg = codec.aggregation.value
+    if agg == "sum":
+        pay = sum(payload_bytes(codec, numel_of(shapes[i]), shapes[i]) for i in comp)
+        return [("allreduce", dense_bytes + pay, dense_sent + allreduce_bytes(pay, W))]
+    if agg == "gather":
+        pay = sum(payload_bytes(codec, numel_of(shapes[i]), shapes[i]) for i in comp)
+        return [("allgather", dense_bytes + pay, dense_sent + allgather_bytes(pay, W))]
+    if agg == "requantize":
+        if W == 1:
+            return [("allreduce", dense_bytes, 0)]
+        per_rank = sum(payload_bytes(codec, chunk_numel(numel_of(shapes[i]), W)) for i in comp)
+        send = W * per_rank
+        return [("alltoall", dense_bytes + send, dense_sent + alltoall_bytes(send, W)),
+                ("allgather", per_rank, allgather_bytes(per_rank, W))]
+    # lowrank (PowerSGD): P then Q
+    ps = qs = 0
+    for i in comp:
+        n, m = codec.matrix_shape(tuple(shapes[i]))
+        r = min(codec.rank, n, m)
+        ps += n * r
+        qs += m * r
+    return [("allreduce", dense_bytes + FLOAT_BYTES * ps, dense_sent + allreduce_bytes(FLOAT_BYTES * ps, W)),
+            ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
+
+
+def wire_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int,
+               bucket_cap: int | None = None) -> int:
+    """Bytes one rank transmits per (compressed) step, counted as ring algorithms send them."""
+    return sum(sent for b in buckets_for(scheme, shapes, bucket_cap)
+               for _, _, sent in round_bytes(scheme, shapes, b, workers))
+
+
+def collective_time(kind: str, nbytes: float, workers: int, bandwidth: float, alpha: float) -> float:
+    return {"allreduce": allreduce_time, "allgather": allgather_time,
+            "alltoall": alltoall_time}[kind](nbytes, workers, bandwidth, alpha)
+
+
+# --------------------------------------------------------------------------- codec work
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """Per-element costs in seconds measured on a machine (see ``gradcompress plan``'s calibration).
+
+    ``elementwise``: one pass over float32 elements (an add or a copy); ``encode`` / ``decode``:
+    by codec spec (canonical, ``codec.spec``), seconds per input element (PowerSGD: per element
+    of the matrix, at its rank).
+    """
+
+    elementwise: float
+    encode: dict
+    decode: dict
+
+    def enc(self, codec) -> float:
+        return self.encode.get(codec.spec, 0.0)
+
+    def dec(self, codec) -> float:
+        return self.decode.get(codec.spec, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One round of a bucket's exchange: its collectives' time on the link, then codec work."""
+
+    comm_s: float
+    after_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketWork:
+    """A bucket: ready after ``ready`` (0..1) of the backward pass; ``hook_s`` of codec work in the hook."""
+
+    ready: float
+    hook_s: float
+    rounds: tuple[Round, ...]
+
+
+def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> list[dict]:
+    """Codec work per compressible element, by phase: ``[hook, after round 1, after round 2...]``.
+
+    Each phase is a dict of pass counts: ``{"ew": elementwise passes, "enc": encodes,
+    "dec": decodes}`` (per element of the compressed tensors; PowerSGD's encode is split
+    into its two matrix products, half before each round).
+    """
+    W = workers
+    if scheme.kind == "ddp":  # copy into the bucket + divide; copy back
+        return [{"ew": 2}, {"ew": 1}]
+    if scheme.kind == "torch-fp16":  # + cast to fp16; decompress
+        return [{"ew": 3}, {"ew": 2}]
+    ef = 1 if error_feedback else 0
+    if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone; M Q | M^T P | P Q^T, error, copy back
+        return [{"ew": 3, "enc": 0.5}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
+    agg = scheme.codec.aggregation.value
+    # hook, every codec: input (x + residual, or a clone), the finiteness flag's sum; residual = x - delivered
+    base = {"ew": 2 + ef}
+    if agg == "sum":
+        return [{**base, "ew": base["ew"] + 1, "enc": 1, "dec": 1}, {"dec": 1, "ew": 2}]
+    if agg == "gather":
+        return [{**base, "enc": 1, "dec": 1}, {"dec": W, "ew": W + 2}]
+    if agg == "requantize":
+        if W == 1:
+            return [{**base, "enc": 1, "dec": 1}]
+        return [{**base, "enc": 1, "dec": 1}, {"dec": 1, "ew": 1, "enc": 1 / W}, {"dec": 1, "ew": 2}]
+    # lowrank: M Q in the hook; M^T P, delivered P Q^T, residual after round 1; P Q^T, copy after round 2
+    return [{"ew": 2, "enc": 0.5}, {"enc": 0.5, "dec": 1, "ew": ef}, {"dec": 1, "ew": 1}]
+
+
+def speed_codec(scheme: Scheme):
+    """The codec whose measured speed stands for the scheme's codec work (None: copies only)."""
+    if scheme.kind == "ours":
+        return scheme.codec
+    if scheme.kind == "torch-powersgd":
+        from .spec import make
+
+        return make(f"powersgd:rank={scheme.rank}")
+    return None
+
+
+def _phase_seconds(phase: dict, codec, speeds: Speeds, numel: int) -> float:
+    enc = speeds.enc(codec) if codec is not None else 0.0
+    dec = speeds.dec(codec) if codec is not None else 0.0
+    return numel * (phase.get("ew", 0) * speeds.elementwise + phase.get("enc", 0) * enc + phase.get("dec", 0) * dec)
+
+
+def bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, bandwidth: float, alpha: float,
+                speeds: Speeds, contention: float = 1.0, error_feedback: bool = True,
+                bucket_cap: int | None = None) -> list[BucketWork]:
+    """The buckets of one step of ``scheme``, in the order their gradients become ready."""
+    buckets = buckets_for(scheme, shapes, bucket_cap)
+    total = sum(numel_of(s) for s in shapes) or 1
+    out, done = [], 0
+    for b in buckets:
+        done += sum(numel_of(shapes[i]) for i in b)
+        rounds = round_bytes(scheme, shapes, b, workers)
+        if scheme.kind == "ours":
+            n = sum(numel_of(shapes[i]) for i in b if _compressible(scheme, shapes[i]))
+            codec = scheme.codec
+        else:
+            n, codec = sum(numel_of(shapes[i]) for i in b), speed_codec(scheme)
+        phases = codec_passes(scheme, workers, error_feedback) if n else [{}]
+        secs = [contention * _phase_seconds(p, codec, speeds, n) for p in phases]
+        secs += [0.0] * (len(rounds) + 1 - len(secs))
+        comm = [collective_time(kind, nbytes, workers, bandwidth, alpha) for kind, nbytes, _ in rounds]
+        out.append(BucketWork(ready=done / total, hook_s=secs[0],
+                              rounds=tuple(Round(c, a) for c, a in zip(comm, secs[1:]))))
+    return out
+
+
+# --------------------------------------------------------------------------- the step
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    forward_s: float
+    backward_s: float
+    codec_s: float  # all codec work (hooks and between rounds)
+    comm_s: float  # all collectives' time on the link
+    exposed_comm_s: float  # step time not explained by compute and codec work
+
+
+def simulate_step(forward_s: float, backward_s: float, buckets: Sequence[BucketWork]) -> StepTime:
+    """Step time of buckets exchanged as described in the module docstring (a pure function)."""
+    link = 0.0  # when the link is free, from the start of the backward pass
+    hooks = 0.0
+    first_done = []
+    for b in buckets:
+        ready = backward_s * b.ready + hooks + b.hook_s
+        hooks += b.hook_s
+        if b.rounds:
+            start = max(ready, link)
+            link = start + b.rounds[0].comm_s
+        first_done.append(link if b.rounds else ready)
+    t = backward_s + hooks  # end of the backward pass: the last hook has run
+    pending = [(b, 0, done) for b, done in zip(buckets, first_done) if b.rounds]
+    while pending:
+        nxt = []
+        for b, k, done in pending:
+            t = max(t, done) + b.rounds[k].after_s
+            if k + 1 < len(b.rounds):
+                start = max(t, link)
+                link = start + b.rounds[k + 1].comm_s
+                nxt.append((b, k + 1, link))
+        pending = nxt
+    codec = hooks + sum(r.after_s for b in buckets for r in b.rounds)
+    comm = sum(r.comm_s for b in buckets for r in b.rounds)
+    step = forward_s + t
+    return StepTime(step_s=step, forward_s=forward_s, backward_s=backward_s, codec_s=codec, comm_s=comm,
+                    exposed_comm_s=max(0.0, step - forward_s - backward_s - codec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    scheme: str
+    step_s: float
+    compute_s: float
+    codec_s: float
+    comm_s: float
+    exposed_comm_s: float
+    wire_bytes: int
+    buckets: int
+    speedup: float | None = None  # over ``ddp`` (uncompressed, no hook)
+
+
+def predict(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, rate_bit: float, compute_s: float,
+            speeds: Speeds, latency_s: float = 0.0, contention: float = 1.0, error_feedback: bool | None = None,
+            efficiency: float = FRAMING_EFFICIENCY, software_alpha: float = SOFTWARE_ALPHA,
+            bucket_cap: int | None = None) -> Prediction:
+    """Predicted time of one compressed step of ``scheme`` (see the module docstring)."""
+    if error_feedback is None:
+        error_feedback = default_error_feedback(scheme)
+    bandwidth = payload_bandwidth(rate_bit, efficiency)
+    alpha = latency_s + software_alpha
+    buckets = bucket_work(scheme, shapes, workers, bandwidth, alpha, speeds, contention, error_feedback, bucket_cap)
+    st = simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, buckets)
+    return Prediction(scheme=scheme.text, step_s=st.step_s, compute_s=compute_s, codec_s=st.codec_s,
+                      comm_s=st.comm_s, exposed_comm_s=st.exposed_comm_s,
+                      wire_bytes=wire_bytes(scheme, shapes, workers, bucket_cap), buckets=len(buckets))
+
+
+def with_speedups(preds: list[Prediction]) -> list[Prediction]:
+    """Fill ``speedup`` = step time of ``ddp`` (or, without it, ours ``none``) / the scheme's."""
+    base = next((p for p in preds if p.scheme == "ddp"), None) or next((p for p in preds if p.scheme == "none"), None)
+    if base is None:
+        return preds
+    return [dataclasses.replace(p, speedup=base.step_s / p.step_s if p.step_s > 0 else None) for p in preds]
+
+
+def default_error_feedback(scheme: Scheme) -> bool:
+    """Whether netbench runs the scheme with error feedback (biased codecs; see ``cli.task``)."""
+    if scheme.kind != "ours":
+        return scheme.kind == "torch-powersgd"
+    c = scheme.codec
+    if c.name in ("none", "qsgd", "terngrad"):
+        return False
+    if c.name in ("int8", "int4") and c.stochastic:
+        return False
+    if c.name == "randomk" and c.scale:
+        return False
+    return True
+
+
+def square_shapes(params: int, side: int = 2048) -> list[tuple[int, ...]]:
+    """``params`` elements as side x side matrices, then one side x k matrix and a vector for the rest."""
+    shapes: list[tuple[int, ...]] = [(side, side)] * (params // (side * side))
+    rest = params - len(shapes) * side * side
+    if rest >= side:
+        shapes.append((side, rest // side))
+        rest -= side * (rest // side)
+    if rest:
+        shapes.append((rest,))
+    return shapes
+
+
+__all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "Prediction", "Round", "Scheme", "Speeds", "StepTime",
+           "allgather_bytes", "allgather_time", "allreduce_bytes", "allreduce_time", "alltoall_bytes",
+           "alltoall_time", "bucket_work", "buckets_for", "chunk_numel", "codec_passes", "ddp_buckets",
+           "default_error_feedback", "format_rate", "parse_duration", "parse_rate", "parse_scheme",
+           "payload_bandwidth", "payload_bytes", "predict", "round_bytes", "simulate_step", "speed_codec", "square_shapes",
+           "two_step_time", "wire_bytes", "with_speedups"]

@@ -1,0 +1,297 @@
+"""The cost model's arithmetic (gradcompress.costmodel): pure functions, no timing, no processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradcompress
+from gradcompress import costmodel as cm
+from gradcompress import exchange
+
+MLP = [(2048, 1024), (2048,), (2048, 2048), (2048,), (2048, 2048), (2048,), (1024, 2048), (1024,)]
+SPEEDS0 = cm.Speeds(elementwise=0.0, encode={}, decode={})
+
+
+# --------------------------------------------------------------------------- units
+@pytest.mark.parametrize("text, bits", [("100mbit", 100e6), ("1gbit", 1e9), ("10Gbit", 10e9), ("500kbit", 500e3),
+                                        ("125mbps", 1e9), ("2.5gbit", 2.5e9), ("1e9bit", 1e9), ("1gbit/s", 1e9)])
+def test_parse_rate(text, bits):
+    assert cm.parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "100", "0mbit", "-1gbit", "1 gigabit"])
+def test_parse_rate_rejects(text):
+    with pytest.raises(ValueError, match="rate"):
+        cm.parse_rate(text)
+
+
+@pytest.mark.parametrize("text, s", [("1ms", 1e-3), ("500us", 5e-4), ("0.2s", 0.2), ("0", 0.0), ("0ms", 0.0)])
+def test_parse_duration(text, s):
+    assert cm.parse_duration(text) == pytest.approx(s)
+
+
+@pytest.mark.parametrize("text", ["1", "ms", "1 hour", "-1ms"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError, match="duration"):
+        cm.parse_duration(text)
+
+
+def test_payload_bandwidth():
+    assert cm.payload_bandwidth(1e9, 1.0) == 125e6
+    assert cm.payload_bandwidth(8e6) == pytest.approx(1e6 * 1448 / 1514)
+
+
+# --------------------------------------------------------------------------- collectives
+def test_collective_times_alpha_beta():
+    M, B, a = 8e6, 1e6, 1e-3
+    assert cm.allreduce_time(M, 4, B, a) == pytest.approx(2 * 3 / 4 * 8 + 6e-3)
+    assert cm.allgather_time(M, 4, B, a) == pytest.approx(3 * 8 + 3e-3)
+    assert cm.alltoall_time(M, 4, B, a) == pytest.approx(3 / 4 * 8 + 3e-3)
+    # two-step = all-to-all of Mc + all-gather of Mc / W: the bytes of an all-reduce of Mc
+    assert cm.two_step_time(M, 4, B, a) == pytest.approx(2 * 3 / 4 * 8 + 6e-3)
+    assert cm.two_step_time(M, 4, B, 0) == pytest.approx(cm.allreduce_time(M, 4, B, 0))
+    for f in (cm.allreduce_time, cm.allgather_time, cm.alltoall_time, cm.two_step_time):
+        assert f(M, 1, B, a) == 0.0  # one worker: nothing to send
+        assert f(0, 4, B, a) == 0.0
+
+
+def test_allreduce_time_bounded_in_workers_allgather_grows():
+    M, B = 1e6, 1e6
+    ar = [cm.allreduce_time(M, w, B) for w in (2, 4, 8, 64)]
+    assert ar == sorted(ar) and ar[-1] < 2.0  # 2 (W-1)/W < 2
+    ag = [cm.allgather_time(M, w, B) for w in (2, 4, 8)]
+    assert ag == [1.0, 3.0, 7.0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 1000, 12345])
+def test_byte_counts_match_exchange(world, nbytes, monkeypatch):
+    """The model counts bytes exactly as exchange.Collectives does (its methods run, collectives stubbed)."""
+
+    class NoDist:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(exchange, "dist", NoDist())
+    c = exchange.Collectives.__new__(exchange.Collectives)
+    c.group, c.world, c.rank, c.wire_bytes, c.comm_seconds = None, world, 0, 0, 0.0
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    for method, model in ((c.all_reduce, cm.allreduce_bytes), (c.all_gather, cm.allgather_bytes),
+                          (c.all_to_all, cm.alltoall_bytes)):
+        before = c.wire_bytes
+        method(t)
+        assert c.wire_bytes - before == model(nbytes, world)
+    assert cm.allreduce_bytes(nbytes, world) <= 2 * nbytes
+
+
+# --------------------------------------------------------------------------- payloads
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "int4", "sign", "qsgd", "terngrad", "int8:bucket=100",
+                                  "topk:ratio=0.01", "topk:ratio=0.1,values=int8", "randomk:ratio=0.05",
+                                  "qsgd:levels=200"])
+@pytest.mark.parametrize("numel", [1, 7, 512, 1000, 4099])
+def test_payload_bytes_exact(spec, numel):
+    codec = gradcompress.make(spec)
+    x = torch.randn(numel)
+    assert cm.payload_bytes(codec, numel) == codec.encode(x, seed=1).nbytes
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (2048, 1024), (8, 3, 3, 3), (3, 5), (100,)])
+@pytest.mark.parametrize("rank", [1, 4])
+def test_payload_bytes_powersgd(shape, rank):
+    codec = gradcompress.make(f"powersgd:rank={rank}")
+    x = torch.randn(shape)
+    assert cm.payload_bytes(codec, x.numel(), shape) == codec.encode(x, seed=1).nbytes
+
+
+def test_payload_bytes_threshold_unpredictable():
+    with pytest.raises(ValueError, match="depends on the data"):
+        cm.payload_bytes(gradcompress.make("threshold"), 100)
+
+
+def test_chunk_numel_matches_exchange():
+    for n in (1, 100, 12345, 2**22 + 3):
+        for w in (1, 2, 3, 8):
+            assert cm.chunk_numel(n, w) == exchange.chunk_numel(n, w, 8)
+
+
+# --------------------------------------------------------------------------- buckets and wire bytes
+def test_ddp_buckets_match_pytorch_for_the_mlp():
+    """DDP rebuilt the 12.6M MLP's buckets as 8392704, 33570816, 8396800 bytes (params 7 6 | 5 4 3 2 | 1 0)."""
+    scheme = cm.parse_scheme("ddp")
+    buckets = cm.buckets_for(scheme, MLP)
+    assert buckets == [[7, 6], [5, 4, 3, 2], [1, 0]]
+    assert [sum(4 * math.prod(MLP[i]) for i in b) for b in buckets] == [8392704, 33570816, 8396800]
+    assert cm.buckets_for(cm.parse_scheme("torch-powersgd"), MLP) == [[7, 6, 5, 4, 3, 2, 1, 0]]
+    assert cm.buckets_for(scheme, MLP, bucket_cap=2**30) == [[7, 6, 5, 4, 3, 2, 1, 0]]
+
+
+def test_ddp_buckets_rule():
+    assert cm.ddp_buckets([10, 10, 10, 10], cap=25, first_cap=5) == [[0], [1, 2, 3]]
+    assert cm.ddp_buckets([30, 1, 1], cap=25, first_cap=25) == [[0], [1, 2]]
+    assert cm.ddp_buckets([], cap=25) == []
+
+
+def test_wire_bytes_baselines():
+    P = sum(math.prod(s) for s in MLP)
+    sizes = [8392704, 33570816, 8396800]
+    assert cm.wire_bytes(cm.parse_scheme("ddp"), MLP, 4) == sum(2 * 3 * b // 4 for b in sizes)
+    assert cm.wire_bytes(cm.parse_scheme("torch-fp16"), MLP, 4) == sum(2 * 3 * (b // 2) // 4 for b in sizes)
+    assert cm.wire_bytes(cm.parse_scheme("ddp"), MLP, 4) == pytest.approx(1.5 * 4 * P, rel=1e-6)
+    # torch-powersgd rank 1: P and Q of the four matrices, the biases dense, one bucket
+    ps, qs = 2048 + 2048 + 2048 + 1024, 1024 + 2048 + 2048 + 2048
+    dense = 2048 * 3 + 1024
+    assert cm.wire_bytes(cm.parse_scheme("torch-powersgd"), MLP, 4) == (
+        2 * 3 * (4 * dense) // 4 + 2 * 3 * (4 * ps) // 4 + 2 * 3 * (4 * qs) // 4)
+
+
+def test_wire_bytes_ours():
+    W = 4
+    sizes = [[7, 6], [5, 4, 3, 2], [1, 0]]
+    mats = {0, 2, 4, 6}
+
+    def dense(b, comp):  # tensors below min_numel (none here but for PowerSGD the biases) + the flag
+        return 2 * (W - 1) * 4 * (sum(math.prod(MLP[i]) for i in b if i not in comp) + 1) // W
+
+    every = set(range(len(MLP)))  # the biases have >= 1024 elements: compressed too
+    # fp16: one all-reduce of the payloads
+    fp16 = sum(dense(b, every) + 2 * (W - 1) * sum(2 * math.prod(MLP[i]) for i in b) // W for b in sizes)
+    assert cm.wire_bytes(cm.parse_scheme("fp16"), MLP, W) == fp16
+    # topk: all-gather of k values + k int32 indices per tensor
+    topk = sum(dense(b, every) + (W - 1) * sum(8 * math.ceil(0.01 * math.prod(MLP[i])) for i in b)
+               for b in sizes)
+    assert cm.wire_bytes(cm.parse_scheme("topk:ratio=0.01"), MLP, W) == topk
+    # int8: two-step reduce of W chunks per tensor (all-to-all of them, all-gather of one)
+    def int8(n):
+        return n + 4 * math.ceil(n / 512)
+
+    two = 0
+    for b in sizes:
+        per = sum(int8(exchange.chunk_numel(math.prod(MLP[i]), W, 8)) for i in b)
+        two += dense(b, every) + (W - 1) * (W * per) // W + (W - 1) * per
+    assert cm.wire_bytes(cm.parse_scheme("int8"), MLP, W) == two
+    # powersgd rank 2: P and Q of the matrices all-reduced in two rounds, the biases dense
+    total = 0
+    for b in sizes:
+        ps = sum(2 * MLP[i][0] for i in b if i in mats)
+        qs = sum(2 * MLP[i][1] for i in b if i in mats)
+        total += 2 * (W - 1) * (4 * ps + 4 * (1 + sum(MLP[i][0] for i in b if i not in mats))) // W
+        total += 2 * (W - 1) * 4 * qs // W
+    assert cm.wire_bytes(cm.parse_scheme("powersgd:rank=2"), MLP, W) == pytest.approx(total, abs=8)
+
+
+def test_wire_bytes_scaling_with_workers():
+    """Gather schemes grow with W (about W-1), two-step and all-reduce schemes stay below 2x their size."""
+    def per(spec, w):
+        return cm.wire_bytes(cm.parse_scheme(spec), MLP, w)
+
+    topk = [per("topk:ratio=0.01", w) for w in (2, 4, 8)]
+    assert topk[1] / topk[0] == pytest.approx(3, rel=0.05) and topk[2] / topk[0] == pytest.approx(7, rel=0.05)
+    for spec in ("int8", "sign", "fp16", "powersgd:rank=1", "ddp"):
+        b = [per(spec, w) for w in (2, 4, 8)]
+        assert b[2] / b[0] == pytest.approx(2 * 7 / 8, rel=0.05)  # 2(W-1)/W: 1 -> 1.75
+    assert per("int8", 1) == 0 and per("ddp", 1) == 0
+
+
+def test_parse_scheme():
+    assert cm.parse_scheme("ddp").kind == "ddp"
+    assert cm.parse_scheme("torch-powersgd:rank=4").rank == 4
+    assert cm.parse_scheme(" int8 ").codec.name == "int8"
+    for bad in ("ddp:rank=2", "torch-powersgd:rank=0", "torch-powersgd:foo=1", "nosuchcodec"):
+        with pytest.raises(ValueError):
+            cm.parse_scheme(bad)
+
+
+def test_square_shapes():
+    for p in (1, 2047, 2048, 5 * 2048 * 2048 + 3 * 2048 + 5, 12_590_080):
+        shapes = cm.square_shapes(p, 2048)
+        assert sum(math.prod(s) for s in shapes) == p
+
+
+# --------------------------------------------------------------------------- the step
+def test_simulate_one_bucket_no_overlap():
+    b = cm.BucketWork(ready=1.0, hook_s=0.01, rounds=(cm.Round(0.5, 0.02),))
+    st = cm.simulate_step(0.1, 0.2, [b])
+    assert st.step_s == pytest.approx(0.1 + 0.2 + 0.01 + 0.5 + 0.02)
+    assert st.codec_s == pytest.approx(0.03) and st.comm_s == pytest.approx(0.5)
+    assert st.exposed_comm_s == pytest.approx(0.5)
+
+
+def test_simulate_overlap_hides_early_buckets():
+    # bucket 1 ready at half the backward pass, its 0.05 s all-reduce hides under the other half
+    b1 = cm.BucketWork(ready=0.5, hook_s=0.0, rounds=(cm.Round(0.05),))
+    b2 = cm.BucketWork(ready=1.0, hook_s=0.0, rounds=(cm.Round(0.05),))
+    st = cm.simulate_step(0.1, 0.2, [b1, b2])
+    assert st.step_s == pytest.approx(0.1 + 0.2 + 0.05)
+    # a long first all-reduce delays the second (one link, first come first served)
+    b1 = cm.BucketWork(ready=0.5, hook_s=0.0, rounds=(cm.Round(0.3),))
+    st = cm.simulate_step(0.1, 0.2, [b1, b2])
+    assert st.step_s == pytest.approx(0.1 + 0.1 + 0.3 + 0.05)
+
+
+def test_simulate_hooks_delay_backward_and_later_rounds_wait():
+    # two rounds: round 2 starts after the backward pass and round 1's codec work
+    b1 = cm.BucketWork(ready=0.5, hook_s=0.01, rounds=(cm.Round(0.02, 0.005), cm.Round(0.04, 0.003)))
+    b2 = cm.BucketWork(ready=1.0, hook_s=0.01, rounds=(cm.Round(0.02, 0.005), cm.Round(0.04, 0.003)))
+    st = cm.simulate_step(0.0, 0.2, [b1, b2])
+    # backward ends at 0.22 (hooks delay it); b1 round 1 done at 0.13, b2's at 0.24
+    # b1: t = 0.22 + 0.005, round 2 on the link 0.24..0.28; b2: t = 0.24 + 0.005, round 2 0.28..0.32
+    # then b1 after: 0.28 + 0.003 = 0.283; b2 after: 0.32 + 0.003 = 0.323
+    assert st.step_s == pytest.approx(0.323)
+    assert st.codec_s == pytest.approx(0.02 + 0.01 + 0.006)
+
+
+def test_predict_ddp_comm_bound():
+    """Uncompressed DDP of the MLP at 1 Gbit/s, no codec cost, no latency: compute + the last bucket's
+    exchange at least, everything at most."""
+    ddp = cm.parse_scheme("ddp")
+    bw = cm.payload_bandwidth(1e9)
+    p = cm.predict(ddp, MLP, 4, 1e9, 0.09, SPEEDS0, software_alpha=0.0)
+    total_comm = cm.wire_bytes(ddp, MLP, 4) / bw
+    assert p.comm_s == pytest.approx(total_comm)
+    assert 0.09 + 8396800 * 1.5 / bw <= p.step_s <= 0.09 + total_comm
+    # all three buckets go one after the other on the link; the first starts after 1/6 of backward
+    assert p.step_s == pytest.approx(0.03 + 0.06 * 8392704 / (4 * 12590080) + total_comm)
+
+
+def test_predict_monotone_and_speedups():
+    speeds = cm.Speeds(elementwise=5e-10, encode={gradcompress.make("int8").spec: 5e-9},
+                       decode={gradcompress.make("int8").spec: 1e-9})
+    schemes = [cm.parse_scheme(s) for s in ("ddp", "int8")]
+    slow = cm.with_speedups([cm.predict(s, MLP, 4, 1e8, 0.05, speeds) for s in schemes])
+    fast = cm.with_speedups([cm.predict(s, MLP, 4, 1e10, 0.05, speeds) for s in schemes])
+    assert slow[0].speedup == 1.0
+    assert slow[1].speedup > 3  # 100 Mbit/s: the 4x smaller payload wins
+    assert fast[1].speedup < 1  # 10 Gbit/s: the codec work costs more than it saves
+    assert all(a.step_s > b.step_s for a, b in zip(slow, fast))
+    # more latency, more time; contention scales codec time
+    lat = cm.predict(schemes[1], MLP, 4, 1e9, 0.05, speeds, latency_s=1e-3)
+    assert lat.step_s > cm.predict(schemes[1], MLP, 4, 1e9, 0.05, speeds).step_s
+    two = cm.predict(schemes[1], MLP, 4, 1e9, 0.05, speeds, contention=2.0)
+    assert two.codec_s == pytest.approx(2 * cm.predict(schemes[1], MLP, 4, 1e9, 0.05, speeds).codec_s)
+
+
+def test_predict_infinite_bandwidth_is_compute_plus_codec():
+    speeds = cm.Speeds(elementwise=1e-9, encode={}, decode={})
+    p = cm.predict(cm.parse_scheme("none"), MLP, 2, 1e18, 0.06, speeds, software_alpha=0.0)
+    assert p.step_s == pytest.approx(0.06 + p.codec_s, rel=1e-6)
+    assert p.codec_s > 0
+
+
+def test_codec_passes_shapes():
+    for spec, rounds in (("fp16", 1), ("topk", 1), ("int8", 2), ("powersgd", 2)):
+        s = cm.parse_scheme(spec)
+        assert len(cm.codec_passes(s, 4)) == rounds + 1
+        assert len(cm.round_bytes(s, MLP, [7, 6], 4)) == rounds
+    # the gather decodes every rank's payload: decode passes grow with W
+    assert cm.codec_passes(cm.parse_scheme("topk"), 8)[1]["dec"] == 8
+
+
+def test_default_error_feedback_matches_cli():
+    from gradcompress.cli.task import default_error_feedback
+
+    for spec in ("none", "fp16", "int8", "int4", "sign", "topk:ratio=0.01", "powersgd:rank=1", "qsgd", "terngrad",
+                 "int8:stochastic=true", "randomk:scale=true", "randomk:scale=false"):
+        assert cm.default_error_feedback(cm.parse_scheme(spec)) == default_error_feedback(spec), spec
