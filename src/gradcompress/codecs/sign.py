@@ -5,6 +5,8 @@ What is sent: one bit per element (1 for x >= 0) packed 8 per byte, and per buck
 bucket has the input's L1 norm. About 0.133 bytes per element (32x / 30x).
 Bias: biased (a scaled sign); use it with error feedback, which makes it converge like
 SGD. Payloads go through the two-step reduce.
+Large CPU tensors take a fused kernel (:mod:`gradcompress.codecs.fast`): the same bits,
+the scale summed in float64 (the last bits may differ from this float32 code's).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from ..packing import pack, unpack
 from ..spec import Range, option, register
+from . import fast
 from .base import Aggregation, Codec
 from .quantize import rescale, to_buckets
 
@@ -26,6 +29,8 @@ class Sign(Codec):
     aggregation = Aggregation.REQUANTIZE
 
     def _encode(self, flat, seed):
+        if self.bucket % 8 == 0 and fast.applies(flat):  # float32/16/bf16: flat >= 0 is the same after .float()
+            return fast.quantize(fast.as_float32(flat), self.bucket, fast.SIGN, 1)
         n = flat.numel()
         xb = to_buckets(flat, self.bucket)
         counts = torch.full((xb.shape[0],), float(self.bucket), device=xb.device)
@@ -36,5 +41,7 @@ class Sign(Codec):
 
     def _decode(self, tensors, numel, seed, device):
         bits, scale = tensors
+        if fast.dequantize_ok(bits, scale, numel, self.bucket, 1, torch.uint8):
+            return fast.dequantize(bits, scale, numel, self.bucket, 1, mul=2, offset=1)
         y = unpack(bits, 1, numel).float() * 2 - 1
         return rescale(y, scale, self.bucket, numel)

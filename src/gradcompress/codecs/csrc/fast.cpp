@@ -1,0 +1,542 @@
+// Fused CPU kernels for gradcompress codecs (issue 7).
+//
+// Plain C ABI, loaded with ctypes by gradcompress/codecs/fast.py: no Python, pybind11 or
+// torch headers, so it compiles in about a second with any C++17 compiler. Threads are
+// std::threads started per call (no OpenMP runtime next to torch's own).
+//
+// Every kernel reads contiguous float32 input and writes into buffers the caller
+// allocated (torch tensors), except the candidate collection of the sparsifiers, whose
+// size is only known at the end (a handle: begin / size / finish).
+//
+// Numerics follow the plain-torch reference path operation by operation (same float32
+// divisions, round-half-to-even, no FMA contraction: build with -ffp-contract=off) so
+// the deterministic codecs give identical codes. Exceptions: bucket sums and norms are
+// accumulated in double (the reference sums in float32 in another order), and the
+// stochastic codecs draw their noise from a counter-based hash (SplitMix64 of the seed
+// and the element index) instead of torch.rand.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <thread>
+#include <vector>
+
+#define GC_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int64_t BLOCK = 256;  // elements per inner block (a multiple of 8)
+constexpr float ROUND_MAGIC = 12582912.0f;  // 1.5 * 2^23: (y + M) - M rounds half to even for |y| < 2^22
+
+// Static partition of [0, items) over up to nthreads threads: fn(begin, end, thread_index).
+template <class F>
+void parallel_for(int64_t items, int nthreads, F fn) {
+  if (items <= 0) return;
+  int t = nthreads < 1 ? 1 : nthreads;
+  if (t > items) t = static_cast<int>(items);
+  if (t == 1) {
+    fn(int64_t(0), items, 0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(t - 1);
+  for (int i = 1; i < t; ++i) {
+    const int64_t b = items * i / t, e = items * (i + 1) / t;
+    pool.emplace_back([&fn, b, e, i] { fn(b, e, i); });
+  }
+  fn(int64_t(0), items / t, 0);
+  for (auto& th : pool) th.join();
+}
+
+inline uint32_t abs_key(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b & 0x7fffffffu;  // the order of these keys is the order of |v|, NaN above +Inf
+}
+
+inline float key_float(uint32_t k) {
+  float f;
+  std::memcpy(&f, &k, 4);
+  return f;
+}
+
+inline uint64_t mix64(uint64_t z) {  // SplitMix64's output function
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ull;
+
+// Counter-based uniform noise: element i of the SplitMix64 stream started at key.
+inline float uniform_at(uint64_t key, uint64_t i) {
+  return static_cast<float>(mix64(key + (i + 1) * GOLDEN) >> 40) * 0x1p-24f;  // [0, 1), 24 bits like torch.rand
+}
+
+inline float round_even(float y) { return (y + ROUND_MAGIC) - ROUND_MAGIC; }
+
+inline float floor_small(float y) {  // floor for |y| < 2^22
+  const float r = round_even(y);
+  return r - float(r > y);
+}
+
+enum Kind { UNIFORM = 0, QSGD = 1, TERNGRAD = 2, SIGN = 3 };
+
+struct QParams {
+  int kind;
+  int bits;
+  int qmax;  // UNIFORM: qmax; QSGD: levels
+  int stochastic;
+  uint64_t key;
+};
+
+// ----------------------------------------------------------------------------- packing
+// codes[0..len) (each < 2^BITS) into the bytes at out, code i at bits [i*BITS, (i+1)*BITS)
+// of the little-endian stream; a partial last byte has its high bits zero.
+template <int BITS>
+void pack_block(const uint8_t* c, int64_t len, uint8_t* out) {
+  if (BITS == 8) {
+    std::memcpy(out, c, len);
+    return;
+  }
+  const int64_t full = len / 8;
+  if (BITS == 1) {
+    for (int64_t g = 0; g < full; ++g) {
+      const uint8_t* s = c + 8 * g;
+      out[g] = uint8_t(s[0] | s[1] << 1 | s[2] << 2 | s[3] << 3 | s[4] << 4 | s[5] << 5 | s[6] << 6 | s[7] << 7);
+    }
+  } else if (BITS == 2) {
+    for (int64_t j = 0; j < full * 2; ++j) {
+      const uint8_t* s = c + 4 * j;
+      out[j] = uint8_t(s[0] | s[1] << 2 | s[2] << 4 | s[3] << 6);
+    }
+  } else if (BITS == 4) {
+    for (int64_t j = 0; j < full * 4; ++j) out[j] = uint8_t(c[2 * j] | c[2 * j + 1] << 4);
+  } else {
+    for (int64_t g = 0; g < full; ++g) {
+      uint64_t w = 0;
+      for (int k = 0; k < 8; ++k) w |= uint64_t(c[8 * g + k]) << (k * BITS);
+      std::memcpy(out + g * BITS, &w, BITS);  // little-endian: the low BITS bytes
+    }
+  }
+  const int64_t rem = len - full * 8;
+  if (rem) {
+    uint64_t w = 0;
+    for (int64_t k = 0; k < rem; ++k) w |= uint64_t(c[8 * full + k]) << (k * BITS);
+    std::memcpy(out + full * BITS, &w, (rem * BITS + 7) / 8);
+  }
+}
+
+template <int BITS>
+void unpack_block(const uint8_t* in, int64_t len, uint8_t* c) {
+  if (BITS == 8) {
+    std::memcpy(c, in, len);
+    return;
+  }
+  constexpr uint64_t mask = (uint64_t(1) << BITS) - 1;
+  const int64_t full = len / 8;
+  if (BITS == 1) {
+    for (int64_t g = 0; g < full; ++g)
+      for (int k = 0; k < 8; ++k) c[8 * g + k] = (in[g] >> k) & 1;
+  } else if (BITS == 2) {
+    for (int64_t j = 0; j < full * 2; ++j)
+      for (int k = 0; k < 4; ++k) c[4 * j + k] = (in[j] >> (2 * k)) & 3;
+  } else if (BITS == 4) {
+    for (int64_t j = 0; j < full * 4; ++j) {
+      c[2 * j] = in[j] & 15;
+      c[2 * j + 1] = in[j] >> 4;
+    }
+  } else {
+    for (int64_t g = 0; g < full; ++g) {
+      uint64_t w = 0;
+      std::memcpy(&w, in + g * BITS, BITS);
+      for (int k = 0; k < 8; ++k) c[8 * g + k] = uint8_t((w >> (k * BITS)) & mask);
+    }
+  }
+  const int64_t rem = len - full * 8;
+  if (rem) {
+    uint64_t w = 0;
+    std::memcpy(&w, in + full * BITS, (rem * BITS + 7) / 8);
+    for (int64_t k = 0; k < rem; ++k) c[8 * full + k] = uint8_t((w >> (k * BITS)) & mask);
+  }
+}
+
+// ----------------------------------------------------------------------------- quantisers
+// The bucket's scale (what the payload sends): UNIFORM amax / qmax, QSGD the L2 norm,
+// TERNGRAD amax, SIGN mean |x|. Non-finite buckets give a non-finite scale.
+float bucket_scale(const float* x, int64_t len, const QParams& p) {
+  if (p.kind == SIGN) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += std::fabs(double(x[i + l]));
+    for (; i < len; ++i) acc[0] += std::fabs(double(x[i]));
+    const double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    return float(s / double(len));
+  }
+  uint32_t m = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t k = abs_key(x[i]);
+    m = k > m ? k : m;
+  }
+  if (p.kind == QSGD) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        const double v = x[i + l];
+        acc[l] += v * v;
+      }
+    for (; i < len; ++i) {
+      const double v = x[i];
+      acc[0] += v * v;
+    }
+    if (m >= 0x7f800000u) return std::numeric_limits<float>::quiet_NaN();  // as the reference's bucket_norm
+    const double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    return float(std::sqrt(s));
+  }
+  const float amax = key_float(m);  // NaN if the bucket holds a NaN (amax propagates it)
+  return p.kind == UNIFORM ? amax / float(p.qmax) : amax;
+}
+
+// Codes of one block (x[0..len), global index of x[0] is base) in [0, 2^bits) (int8: two's complement).
+// (Parameters are copied to locals and pointers are __restrict: c is a char type, which may
+// alias anything, and would otherwise force a reload of p.key per element and no vectorisation.)
+void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s, const QParams p,
+                 uint8_t* __restrict c) {
+  const bool ok = s > 0.0f && s < std::numeric_limits<float>::infinity();
+  const uint64_t key = p.key;
+  switch (p.kind) {
+    case UNIFORM: {
+      const float q = float(p.qmax);
+      const int off = p.bits == 8 ? 0 : p.qmax + 1;
+      if (!ok) {
+        std::memset(c, off, len);
+        return;
+      }
+      if (!p.stochastic) {
+        for (int64_t j = 0; j < len; ++j) {
+          float r = round_even(x[j] / s);
+          r = r < -q ? -q : (r > q ? q : r);
+          c[j] = uint8_t(int(r) + off);
+        }
+      } else {
+        for (int64_t j = 0; j < len; ++j) {
+          const float y = x[j] / s;
+          const float f = floor_small(y);
+          float r = f + float(uniform_at(key, base + j) < y - f);
+          r = r < -q ? -q : (r > q ? q : r);
+          c[j] = uint8_t(int(r) + off);
+        }
+      }
+      return;
+    }
+    case QSGD: {
+      const int L = p.qmax;
+      if (!ok) {
+        std::memset(c, L, len);
+        return;
+      }
+      const float lv = float(L);
+      for (int64_t j = 0; j < len; ++j) {
+        const float y = (std::fabs(x[j]) / s) * lv;
+        const float f = floor_small(y);
+        float r = f + float(uniform_at(key, base + j) < y - f);
+        r = r > lv ? lv : r;
+        const int level = int(r);
+        c[j] = uint8_t(level * (1 - 2 * int(x[j] < 0.0f)) + L);  // branch-free: vectorises
+      }
+      return;
+    }
+    case TERNGRAD: {
+      if (!ok) {
+        std::memset(c, 1, len);
+        return;
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        const float prob = std::fabs(x[j]) / s;
+        const int keep = uniform_at(key, base + j) < prob;
+        c[j] = uint8_t(1 + keep * (1 - 2 * int(x[j] < 0.0f)));  // 0, 1 or 2, branch-free: vectorises
+      }
+      return;
+    }
+    default:  // SIGN
+      for (int64_t j = 0; j < len; ++j) c[j] = uint8_t(x[j] >= 0.0f);
+      return;
+  }
+}
+
+template <int BITS>
+void quantize_impl(const float* x, int64_t n, int64_t bucket, const QParams& p, uint8_t* codes, float* scale,
+                   int nthreads) {
+  const int64_t nb = (n + bucket - 1) / bucket;
+  parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
+    alignas(64) uint8_t c[BLOCK];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * bucket, len = std::min(bucket, n - start);
+      const float s = bucket_scale(x + start, len, p);
+      scale[b] = s;
+      for (int64_t o = 0; o < len; o += BLOCK) {
+        const int64_t l = std::min(BLOCK, len - o);
+        block_codes(x + start + o, l, uint64_t(start + o), s, p, c);
+        pack_block<BITS>(c, l, codes + (start + o) * BITS / 8);  // start + o is a multiple of 8 when BITS < 8
+      }
+    }
+  });
+}
+
+// y = float(code * mul - offset) * (scale[b] / div); int8 codes (BITS 8, is_signed) are two's complement.
+template <int BITS>
+void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_t bucket, int is_signed, int mul,
+                     int offset, float div, float* out, int nthreads) {
+  const int64_t nb = (n + bucket - 1) / bucket;
+  parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
+    alignas(64) uint8_t c[BLOCK];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * bucket, len = std::min(bucket, n - start);
+      const float s = scale[b] / div;
+      for (int64_t o = 0; o < len; o += BLOCK) {
+        const int64_t l = std::min(BLOCK, len - o);
+        float* y = out + start + o;
+        if (BITS == 8 && is_signed) {
+          const int8_t* ci = reinterpret_cast<const int8_t*>(codes) + start + o;
+          for (int64_t j = 0; j < l; ++j) y[j] = float(ci[j]) * s;
+          continue;
+        }
+        unpack_block<BITS>(codes + (start + o) * BITS / 8, l, c);
+        for (int64_t j = 0; j < l; ++j) y[j] = float(int(c[j]) * mul - offset) * s;
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------- sparsifiers
+// Indices i (ascending) with abs_key(x[i]) >= tkey, i.e. !(|x[i]| < t), NaN included.
+struct Collected {
+  static constexpr int64_t CHUNK = int64_t(1) << 16;
+  std::vector<std::vector<std::vector<int32_t>>> per_thread;  // thread -> list of chunks
+  int64_t total = 0;
+};
+
+void collect_range(const float* x, int64_t b, int64_t e, uint32_t tkey, std::vector<std::vector<int32_t>>& chunks) {
+  constexpr int64_t W = 1024;
+  std::vector<int32_t>* cur = nullptr;
+  int64_t fill = Collected::CHUNK;
+  alignas(64) int32_t tmp[W];
+  for (int64_t o = b; o < e; o += W) {
+    const int64_t l = std::min(W, e - o);
+    const float* xs = x + o;
+    int64_t cnt = 0;
+    for (int64_t j = 0; j < l; ++j) cnt += abs_key(xs[j]) >= tkey;
+    if (!cnt) continue;
+    int64_t w = 0;
+    for (int64_t j = 0; j < l; ++j) {
+      tmp[w] = int32_t(o + j);
+      w += abs_key(xs[j]) >= tkey;
+    }
+    for (int64_t j = 0; j < w;) {
+      if (fill == Collected::CHUNK) {
+        chunks.emplace_back();
+        cur = &chunks.back();
+        cur->resize(Collected::CHUNK);
+        fill = 0;
+      }
+      const int64_t take = std::min(w - j, Collected::CHUNK - fill);
+      std::memcpy(cur->data() + fill, tmp + j, take * 4);
+      fill += take;
+      j += take;
+    }
+  }
+  if (cur) cur->resize(fill);
+}
+
+// k largest of keys (ascending positions cand, or 0..c-1 when cand is null) -> out (ascending).
+int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, int32_t* out) {
+  if (k <= 0) return 0;
+  std::vector<uint32_t> keys(c);
+  for (int64_t i = 0; i < c; ++i) keys[i] = abs_key(x[cand ? cand[i] : i]);
+  uint32_t kth;
+  int64_t greater = 0;
+  if (k >= c) {
+    kth = 0;
+    greater = 0;
+  } else {
+    std::nth_element(keys.begin(), keys.begin() + (c - k), keys.end());
+    kth = keys[c - k];
+    for (int64_t i = c - k + 1; i < c; ++i) greater += keys[i] > kth;  // the k - 1 above position c - k are >= kth
+    for (int64_t i = 0; i < c; ++i) keys[i] = abs_key(x[cand ? cand[i] : i]);  // restore the order
+  }
+  int64_t ties = k - greater, w = 0;
+  for (int64_t i = 0; i < c && w < k; ++i) {
+    const uint32_t key = keys[i];
+    if (key > kth || (key == kth && ties > 0)) {
+      if (key == kth) --ties;
+      out[w++] = cand ? cand[i] : int32_t(i);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+// ============================================================================= C API
+GC_API int gc_version() { return 3; }
+
+// codes: int8 (bits 8, UNIFORM), uint8 otherwise, packed to ceil(n * bits / 8) bytes (bits < 8 needs bucket % 8 == 0).
+GC_API int gc_quantize(const float* x, int64_t n, int64_t bucket, int kind, int bits, int qmax, int stochastic,
+                       uint64_t key, void* codes, float* scale, int nthreads) {
+  if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
+  const QParams p{kind, bits, qmax, stochastic, key};
+  uint8_t* c = static_cast<uint8_t*>(codes);
+  switch (bits) {
+    case 1: quantize_impl<1>(x, n, bucket, p, c, scale, nthreads); break;
+    case 2: quantize_impl<2>(x, n, bucket, p, c, scale, nthreads); break;
+    case 3: quantize_impl<3>(x, n, bucket, p, c, scale, nthreads); break;
+    case 4: quantize_impl<4>(x, n, bucket, p, c, scale, nthreads); break;
+    case 5: quantize_impl<5>(x, n, bucket, p, c, scale, nthreads); break;
+    case 6: quantize_impl<6>(x, n, bucket, p, c, scale, nthreads); break;
+    case 7: quantize_impl<7>(x, n, bucket, p, c, scale, nthreads); break;
+    default: quantize_impl<8>(x, n, bucket, p, c, scale, nthreads); break;
+  }
+  return 0;
+}
+
+GC_API int gc_dequantize(const void* codes, const float* scale, int64_t n, int64_t bucket, int bits, int is_signed,
+                         int mul, int offset, float div, float* out, int nthreads) {
+  if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
+  const uint8_t* c = static_cast<const uint8_t*>(codes);
+  switch (bits) {
+    case 1: dequantize_impl<1>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 2: dequantize_impl<2>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 3: dequantize_impl<3>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 4: dequantize_impl<4>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 5: dequantize_impl<5>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 6: dequantize_impl<6>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    case 7: dequantize_impl<7>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+    default: dequantize_impl<8>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
+  }
+  return 0;
+}
+
+// pack / unpack of uint8 codes (packing.pack / packing.unpack for large tensors).
+GC_API int gc_pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out, int nthreads) {
+  if (bits < 1 || bits > 8) return -1;
+  const int64_t groups = (n + 8 * BLOCK - 1) / (8 * BLOCK);  // units of 8 * BLOCK codes
+  parallel_for(groups, nthreads, [&](int64_t g0, int64_t g1, int) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * 8 * BLOCK, len = std::min(8 * BLOCK, n - start);
+      uint8_t* o = out + start / 8 * bits;
+      switch (bits) {
+        case 1: pack_block<1>(codes + start, len, o); break;
+        case 2: pack_block<2>(codes + start, len, o); break;
+        case 3: pack_block<3>(codes + start, len, o); break;
+        case 4: pack_block<4>(codes + start, len, o); break;
+        case 5: pack_block<5>(codes + start, len, o); break;
+        case 6: pack_block<6>(codes + start, len, o); break;
+        case 7: pack_block<7>(codes + start, len, o); break;
+        default: pack_block<8>(codes + start, len, o); break;
+      }
+    }
+  });
+  return 0;
+}
+
+GC_API int gc_unpack(const uint8_t* packed, int64_t n, int bits, uint8_t* out, int nthreads) {
+  if (bits < 1 || bits > 8) return -1;
+  const int64_t groups = (n + 8 * BLOCK - 1) / (8 * BLOCK);
+  parallel_for(groups, nthreads, [&](int64_t g0, int64_t g1, int) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * 8 * BLOCK, len = std::min(8 * BLOCK, n - start);
+      const uint8_t* in = packed + start / 8 * bits;
+      switch (bits) {
+        case 1: unpack_block<1>(in, len, out + start); break;
+        case 2: unpack_block<2>(in, len, out + start); break;
+        case 3: unpack_block<3>(in, len, out + start); break;
+        case 4: unpack_block<4>(in, len, out + start); break;
+        case 5: unpack_block<5>(in, len, out + start); break;
+        case 6: unpack_block<6>(in, len, out + start); break;
+        case 7: unpack_block<7>(in, len, out + start); break;
+        default: unpack_block<8>(in, len, out + start); break;
+      }
+    }
+  });
+  return 0;
+}
+
+// |x| keys at m positions drawn uniformly with replacement from the stream of key.
+GC_API void gc_sample_keys(const float* x, int64_t n, int64_t m, uint64_t key, uint32_t* out, int nthreads) {
+  parallel_for(m, nthreads, [&](int64_t b, int64_t e, int) {
+    for (int64_t j = b; j < e; ++j) {
+      const uint64_t h = mix64(key + uint64_t(j + 1) * GOLDEN);
+      const uint64_t pos = uint64_t((static_cast<unsigned __int128>(h) * uint64_t(n)) >> 64);
+      out[j] = abs_key(x[pos]);
+    }
+  });
+}
+
+// The r-th largest (1-based) of keys[0..m); reorders keys.
+GC_API uint32_t gc_kth_largest(uint32_t* keys, int64_t m, int64_t r) {
+  std::nth_element(keys, keys + (m - r), keys + m);
+  return keys[m - r];
+}
+
+GC_API uint32_t gc_abs_key(float v) { return abs_key(v); }
+
+// Collect the ascending indices i with abs_key(x[i]) >= tkey: returns a handle (null on
+// allocation failure); gc_collected_size, then gc_collected_finish (copies and frees) or gc_collected_free.
+GC_API void* gc_collect(const float* x, int64_t n, uint32_t tkey, int nthreads) {
+  Collected* h = nullptr;
+  try {
+    h = new Collected();
+    const int t = int(std::max<int64_t>(1, std::min<int64_t>(nthreads < 1 ? 1 : nthreads, n)));
+    h->per_thread.resize(t);
+    std::atomic<bool> failed(false);
+    parallel_for(n, t, [&](int64_t b, int64_t e, int i) {
+      try {
+        collect_range(x, b, e, tkey, h->per_thread[i]);
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      }
+    });
+    if (failed) {
+      delete h;
+      return nullptr;
+    }
+    for (auto& chunks : h->per_thread)
+      for (auto& c : chunks) h->total += int64_t(c.size());
+  } catch (const std::bad_alloc&) {
+    delete h;
+    return nullptr;
+  }
+  return h;
+}
+
+GC_API int64_t gc_collected_size(void* handle) { return static_cast<Collected*>(handle)->total; }
+
+GC_API void gc_collected_free(void* handle) { delete static_cast<Collected*>(handle); }
+
+GC_API void gc_collected_finish(void* handle, int32_t* out) {
+  Collected* h = static_cast<Collected*>(handle);
+  int64_t w = 0;
+  for (auto& chunks : h->per_thread)
+    for (auto& c : chunks) {
+      std::memcpy(out + w, c.data(), c.size() * 4);
+      w += int64_t(c.size());
+    }
+  delete h;
+}
+
+// Exact top-k by |x| among ascending candidate positions cand[0..c) (all of x when cand is
+// null): the k with the largest keys, ties at the k-th key broken by position; out ascending.
+// Returns the count written (k), or -1 on allocation failure.
+GC_API int64_t gc_select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, int32_t* out) {
+  try {
+    return select_top(x, cand, c, k, out);
+  } catch (const std::bad_alloc&) {
+    return -1;
+  }
+}

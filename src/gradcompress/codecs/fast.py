@@ -1,0 +1,388 @@
+"""Fused CPU kernels for the codecs (issue 7), with the plain-torch code as the reference.
+
+Every codec keeps its plain-torch implementation (the *reference path*); on large CPU
+tensors it takes a *fast path* instead: one fused pass per bucket in a small C++ library
+(``csrc/fast.cpp``), close to memory bandwidth. The payload format and the codec
+semantics are the same on both paths:
+
+* deterministic codecs (``int8``, ``int4``, ``sign``, ``topk``, ``threshold``) give the
+  same codes (``sign``'s scale and ``qsgd``'s norm are summed in float64, so they may
+  differ from the reference's float32 sums in the last bits; top-k breaks ties among
+  equal magnitudes by position, ``torch.topk`` in its own order);
+* stochastic codecs (stochastic rounding, ``qsgd``, ``terngrad``, ``dgc``'s sample) draw
+  their noise from a counter-based hash of (seed, element index) instead of
+  ``torch.rand``: the same distribution, deterministic for a seed, other bits.
+
+When the fast path is taken: :func:`enabled` (the environment variable
+``GRADCOMPRESS_FAST=0`` turns it off, :func:`set_enabled` / :func:`use` override it), the
+tensor is on the CPU and has at least :data:`MIN_NUMEL` elements (and fewer than 2**31),
+and the library could be built. It is compiled at the first such encode (about a second;
+any C++17 compiler, ``$CXX`` or ``c++``) into ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) and reused from there. Without a compiler, or when the
+build fails, every codec stays on the reference path and one warning says why.
+Other devices (CUDA) always take the reference path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+#: Smallest tensor (in elements) that takes the fast path; smaller ones gain little and
+#: stay on the reference path (so tests of small tensors never trigger a build).
+MIN_NUMEL = 1 << 16
+
+ENV_VAR = "GRADCOMPRESS_FAST"
+SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
+_VERSION = 3  # gc_version() of the source this module drives
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
+          "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
+
+FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_override: bool | None = None
+_lib = None
+_failure: str | None = None
+_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- switch
+def enabled() -> bool:
+    """Whether codecs may take the fast path (the override, else ``GRADCOMPRESS_FAST`` != 0)."""
+    if _override is not None:
+        return _override
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_enabled(flag: bool | None) -> None:
+    """Force the fast path on (True) or off (False); None goes back to the environment variable."""
+    global _override
+    _override = None if flag is None else bool(flag)
+
+
+@contextlib.contextmanager
+def use(flag: bool):
+    """``with fast.use(False): ...`` runs the reference path (restores the previous setting after)."""
+    global _override
+    before = _override
+    _override = bool(flag)
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def applies(t: torch.Tensor, dtypes=FAST_DTYPES) -> bool:
+    """True when an encode of ``t`` takes the fast path (builds the library on the first call)."""
+    return (t.device.type == "cpu" and MIN_NUMEL <= t.numel() < 2**31 and t.dtype in dtypes
+            and enabled() and library() is not None)
+
+
+def available() -> bool:
+    """True when the library is built and loaded (builds it if needed)."""
+    return library() is not None
+
+
+def failure() -> str | None:
+    """Why the library could not be built or loaded (None when it was, or was not tried)."""
+    return _failure
+
+
+# ----------------------------------------------------------------------------- build
+def cache_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torch_extensions"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() + platform.machine()
+
+
+def _build(cxx: str) -> Path:
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    errors = []
+    for extra in (["-march=native"], []):  # -march=native where the compiler knows it; the key has the CPU's flags
+        flags = _FLAGS + extra
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), version.encode(),
+                                         _cpu_flags().encode() if extra else b""])).hexdigest()[:16]
+        for root in (cache_root(), Path(tempfile.gettempdir()) / f"gradcompress-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+            target = root / f"gradcompress_fast_{key}" / "libgcfast.so"
+            if target.exists():
+                return target
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                errors.append(f"{target.parent}: {err}")
+                continue
+            tmp = target.with_name(f"libgcfast.{os.getpid()}.{threading.get_ident()}.tmp.so")
+            cmd = [cxx, *flags, str(SOURCE), "-o", str(tmp)]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.SubprocessError) as err:
+                errors.append(f"{' '.join(cmd)}: {err}")
+                break
+            if res.returncode != 0 or not tmp.exists():
+                errors.append(f"{' '.join(cmd)} failed:\n{(res.stderr or res.stdout)[-2000:]}")
+                tmp.unlink(missing_ok=True)
+                break  # the flags, not the folder: try the next flags
+            os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+            return target
+    raise RuntimeError("\n".join(errors) or "no build attempted")
+
+
+def _declare(lib) -> None:
+    c_int, c_i64, c_u32, c_u64, c_f, c_p = (ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
+                                            ctypes.c_float, ctypes.c_void_p)
+    sigs = {
+        "gc_version": (c_int, []),
+        "gc_quantize": (c_int, [c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_int]),
+        "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_p, c_int]),
+        "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
+        "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
+        "gc_sample_keys": (None, [c_p, c_i64, c_i64, c_u64, c_p, c_int]),
+        "gc_kth_largest": (c_u32, [c_p, c_i64, c_i64]),
+        "gc_abs_key": (c_u32, [c_f]),
+        "gc_collect": (c_p, [c_p, c_i64, c_u32, c_int]),
+        "gc_collected_size": (c_i64, [c_p]),
+        "gc_collected_free": (None, [c_p]),
+        "gc_collected_finish": (None, [c_p, c_p]),
+        "gc_select_top": (c_i64, [c_p, c_p, c_i64, c_i64, c_p]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def library():
+    """The loaded kernel library, building it on first use; None when unavailable (one warning)."""
+    global _lib, _failure
+    if _lib is not None or _failure is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _failure is not None:
+            return _lib
+        try:
+            if sys.platform == "win32":
+                raise RuntimeError("the fast path is built for POSIX platforms only")
+            cxx = _compiler()
+            if cxx is None:
+                raise RuntimeError("no C++ compiler found (set $CXX or install g++ or clang++)")
+            lib = ctypes.CDLL(str(_build(cxx)))
+            _declare(lib)
+            if lib.gc_version() != _VERSION:
+                raise RuntimeError(f"library version {lib.gc_version()}, expected {_VERSION}")
+            _lib = lib
+        except Exception as err:  # noqa: BLE001 - any failure means: reference path
+            _failure = f"{type(err).__name__}: {err}"
+            warnings.warn(f"gradcompress: fast codec kernels unavailable, using the plain torch codecs "
+                          f"(slower on large tensors): {_failure}", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+# ----------------------------------------------------------------------------- helpers
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int, salt: int) -> int:
+    """The 64-bit key of the noise stream of ``seed`` for one use (``salt``)."""
+    return _mix64(_mix64((int(seed) & _MASK64) + _GOLDEN) ^ (salt * 0xD1B54A32D192ED03))
+
+
+def _threads(n: int) -> int:
+    return max(1, min(torch.get_num_threads(), n // 32768 or 1))
+
+
+def as_float32(flat: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 view or copy of a 1-D tensor."""
+    return flat.detach().to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+# ----------------------------------------------------------------------------- quantisers
+UNIFORM, QSGD, TERNGRAD, SIGN = 0, 1, 2, 3
+_SALT_NOISE = 1
+
+
+def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, seed: int | None = None,
+             stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused scale + codes + packing of a float32 1-D tensor: (codes, one float32 scale per bucket).
+
+    codes: int8 (``UNIFORM`` with 8 bits), else uint8 packed to ceil(n * bits / 8) bytes.
+    Needs ``bits == 8`` or ``bucket % 8 == 0``.
+    """
+    lib = library()
+    n = x.numel()
+    nb = -(-n // bucket)
+    signed = kind == UNIFORM and bits == 8
+    codes = torch.empty((n * bits + 7) // 8, dtype=torch.int8 if signed else torch.uint8)
+    scale = torch.empty(nb, dtype=torch.float32)
+    key = stream_key(seed or 0, _SALT_NOISE)
+    rc = lib.gc_quantize(_ptr(x), n, bucket, kind, bits, qmax, int(stochastic), key, _ptr(codes), _ptr(scale),
+                         _threads(n))
+    if rc:
+        raise ValueError(f"fast.quantize: unsupported bits={bits}, bucket={bucket}")
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bits: int, *, signed: bool = False,
+               mul: int = 1, offset: int = 0, div: float = 1.0) -> torch.Tensor:
+    """float32 ``(code * mul - offset) * (scale[bucket] / div)`` for the n codes (packed when bits < 8)."""
+    lib = library()
+    out = torch.empty(n, dtype=torch.float32)
+    rc = lib.gc_dequantize(_ptr(codes), _ptr(scale), n, bucket, bits, int(signed), mul, offset, float(div),
+                           _ptr(out), _threads(n))
+    if rc:
+        raise ValueError(f"fast.dequantize: unsupported bits={bits}, bucket={bucket}")
+    return out
+
+
+def dequantize_ok(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bits: int,
+                  code_dtype: torch.dtype) -> bool:
+    """Whether received payload tensors have the layout :func:`dequantize` reads (else: reference path)."""
+    return (codes.device.type == "cpu" and scale.device.type == "cpu" and MIN_NUMEL <= n < 2**31
+            and codes.dtype == code_dtype and scale.dtype == torch.float32
+            and codes.is_contiguous() and scale.is_contiguous()
+            and codes.numel() == (n * bits + 7) // 8 and scale.numel() == -(-n // bucket)
+            and (bits == 8 or bucket % 8 == 0) and enabled() and library() is not None)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """packing.pack of contiguous uint8 codes."""
+    n = codes.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    library().gc_pack(_ptr(codes), n, bits, _ptr(out), _threads(n))
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """packing.unpack of a contiguous uint8 tensor of at least ceil(n * bits / 8) bytes."""
+    out = torch.empty(n, dtype=torch.uint8)
+    library().gc_unpack(_ptr(packed), n, bits, _ptr(out), _threads(n))
+    return out
+
+
+# ----------------------------------------------------------------------------- sparsifiers
+_SALT_DGC = 2
+_SALT_TOPK = 3
+TOPK_SAMPLE = 1 << 16  # sampled magnitudes behind top-k's candidate threshold
+
+
+def abs_key(value: float) -> int:
+    """The order key of |value| as float32 (NaN above +Inf)."""
+    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32).item()) & 0x7FFFFFFF
+
+
+def sampled_key(x: torch.Tensor, m: int, r: int, key: int) -> int:
+    """The r-th largest |x| key among m positions drawn uniformly (with replacement) from the stream of key."""
+    keys = torch.empty(m, dtype=torch.int32)
+    lib = library()
+    lib.gc_sample_keys(_ptr(x), x.numel(), m, key, _ptr(keys), _threads(m))
+    return lib.gc_kth_largest(_ptr(keys), m, r)
+
+
+def collect(x: torch.Tensor, tkey: int) -> torch.Tensor:
+    """Ascending int32 positions i with !(|x_i| < t), t the float32 of key tkey (NaN always kept)."""
+    lib = library()
+    handle = lib.gc_collect(_ptr(x), x.numel(), tkey, _threads(x.numel()))
+    if not handle:
+        raise MemoryError("fast.collect: out of memory")
+    out = torch.empty(lib.gc_collected_size(handle), dtype=torch.int32)
+    lib.gc_collected_finish(handle, _ptr(out))
+    return out
+
+
+def select_top(x: torch.Tensor, cand: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Exact top-k by |x| among ascending candidates (all of x when None); ties by position; ascending int32."""
+    c = x.numel() if cand is None else cand.numel()
+    k = min(k, c)
+    out = torch.empty(k, dtype=torch.int32)
+    got = library().gc_select_top(_ptr(x), None if cand is None else _ptr(cand), c, k, _ptr(out))
+    if got < 0:
+        raise MemoryError("fast.select_top: out of memory")
+    return out[:got]
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k by magnitude (NaN largest) of a float32 1-D tensor: k ascending int32 positions.
+
+    A threshold from a sample (the magnitude with a few standard deviations more than the
+    expected count of sampled values above it), every element at or above it collected in
+    one pass (almost always k to 1.2 k of them), then the exact top-k among those. If the
+    sample misled (fewer than k collected, or too many ties), the exact top-k over all.
+    """
+    n = x.numel()
+    if k >= n:
+        return torch.arange(n, dtype=torch.int32)
+    m = min(n, TOPK_SAMPLE)
+    mu = m * k / n
+    r = math.ceil(mu + 4 * math.sqrt(mu) + 8)
+    if r < m:
+        tkey = sampled_key(x, m, r, stream_key(n, _SALT_TOPK))
+        if tkey > 0:
+            cand = collect(x, tkey)
+            if k <= cand.numel() <= n // 4:
+                return select_top(x, cand, k)
+            del cand
+    return select_top(x, None, k)
+
+
+def dgc_indices(x: torch.Tensor, k: int, m: int, kth: int, seed: int) -> torch.Tensor:
+    """DGC's selection (see :class:`gradcompress.codecs.sparse.DGC`) with the sample drawn from the seed's stream."""
+    tkey = sampled_key(x, m, kth, stream_key(seed, _SALT_DGC))
+    cand = collect(x, tkey)
+    if cand.numel() > 2 * k:
+        return select_top(x, cand, k)
+    if 2 * cand.numel() < k:
+        return topk_indices(x, k)
+    return cand

@@ -1,0 +1,481 @@
+"""The fast codec paths (fused C++ kernels, :mod:`gradcompress.codecs.fast`) against the reference paths.
+
+Deterministic codecs must give the same codes as the plain-torch reference; stochastic
+ones the same distribution (unbiased, the exact variance of stochastic rounding, codes on
+the two neighbouring levels), not the same bits. Also: the switch, the fallback without
+a compiler (one warning, reference results), non-CPU tensors, small shapes (with
+``MIN_NUMEL`` lowered) and the peak memory of an encode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+from gradcompress import make
+from gradcompress.codecs import fast
+from gradcompress.packing import pack, unpack
+
+N = 70_001  # > fast.MIN_NUMEL; 70001 % 512 = 369 (partial last bucket), % 8 = 1 (partial last byte)
+
+
+@pytest.fixture
+def lib():
+    if not fast.available():
+        pytest.skip(f"fast kernels unavailable: {fast.failure()}")
+    with fast.use(True):
+        yield
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def big_input(n: int = N, seed: int = 0, dtype=torch.float32, wide: bool = True) -> torch.Tensor:
+    """Gaussian values, magnitudes varying per bucket (1e-30..1e30 when wide), and special buckets."""
+    g = gen(seed)
+    x = torch.randn(n, generator=g) * (0.2 + 3 * torch.rand(n, generator=g))
+    if wide:
+        scales = 10.0 ** (torch.rand(-(-n // 512), generator=g) * 60 - 30)
+        x = x * scales.repeat_interleave(512)[:n]
+        x[1024:1536] *= 1e-38 / x[1024:1536].abs().max()  # subnormal scale (amax / 127)
+    x[512:1024] = 0.0  # an all-zero bucket
+    x[1536:2048] = torch.arange(512) % 16 * 0.5 - 4.0  # exact halves: round half to even
+    x[1536] = 127.0
+    x[2048:2560] = torch.randint(-3, 4, (512,), generator=g).float()  # ties
+    return x.to(dtype)
+
+
+def encode_both(codec, x, seed=3):
+    fast_p = codec.encode(x, seed=seed)
+    with fast.use(False):
+        ref_p = codec.encode(x, seed=seed)
+    return fast_p, ref_p
+
+
+def decode_ref(codec, payload):
+    with fast.use(False):
+        return codec.decode(payload)
+
+
+# --------------------------------------------------------------------------- switch and fallback
+def test_switch(monkeypatch):
+    x = torch.zeros(N)
+    monkeypatch.setattr(fast, "_override", None)
+    monkeypatch.setenv(fast.ENV_VAR, "0")
+    assert not fast.enabled() and not fast.applies(x)
+    monkeypatch.setenv(fast.ENV_VAR, "1")
+    assert fast.enabled()
+    with fast.use(False):
+        assert not fast.enabled()
+        with fast.use(True):
+            assert fast.enabled()
+        assert not fast.enabled()
+    assert fast.enabled()
+    assert not fast.applies(torch.zeros(fast.MIN_NUMEL - 1))  # small tensors: reference path
+
+
+def test_non_cpu_tensors_take_the_reference_path():
+    x = torch.empty(N, device="meta")
+    assert not fast.applies(x)
+    codes, scale = torch.empty(N, dtype=torch.int8, device="meta"), torch.empty(-(-N // 512), device="meta")
+    assert not fast.dequantize_ok(codes, scale, N, 512, 8, torch.int8)
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(fast, "_lib", None)
+    monkeypatch.setattr(fast, "_failure", None)
+    monkeypatch.setattr(fast, "_compiler", lambda: None)
+    x = big_input(wide=False)
+    codec = make("int8")
+    with fast.use(True):
+        with pytest.warns(RuntimeWarning, match="fast codec kernels unavailable"):
+            p = codec.encode(x, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            p2 = codec.encode(x, seed=0)
+            y = codec.decode(p2)
+    assert fast.failure() and "compiler" in fast.failure()
+    with fast.use(False):
+        ref = codec.encode(x, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(p.tensors, ref.tensors))
+    assert torch.equal(y, decode_ref(codec, ref))
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path):
+    if fast._compiler() is None:
+        pytest.skip("no compiler")
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(fast, "_lib", None)
+    monkeypatch.setattr(fast, "_failure", None)
+    monkeypatch.setattr(fast, "SOURCE", bad)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.warns(RuntimeWarning, match="fast codec kernels unavailable"):
+        assert fast.library() is None
+    with fast.use(True):
+        assert not fast.applies(big_input(wide=False))
+        p = make("topk").encode(big_input(wide=False))
+    assert p.tensors[-1].numel() == math.ceil(0.01 * N)
+
+
+# --------------------------------------------------------------------------- deterministic quantisers
+DETERMINISTIC = ["int8", "int4", "int8:bucket=7", "int4:bucket=64", "int8:bucket=100000", "sign", "sign:bucket=64"]
+
+
+@pytest.mark.parametrize("spec", DETERMINISTIC)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_deterministic_quantisers_same_codes(lib, spec, dtype):
+    codec = make(spec)
+    x = big_input(dtype=dtype, wide=dtype == torch.float32)
+    assert fast.applies(x)
+    pf, pr = encode_both(codec, x)
+    assert [(t.dtype, t.shape) for t in pf.tensors] == [(t.dtype, t.shape) for t in pr.tensors]
+    codes_f, scale_f = pf.tensors
+    codes_r, scale_r = pr.tensors
+    assert torch.equal(codes_f, codes_r)
+    if codec.name == "sign":  # mean |x| summed in float64 here, in float32 by torch
+        assert torch.allclose(scale_f, scale_r, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(scale_f, scale_r)
+    # decode: the same values from the same payload, and the same for both payloads up to the scale
+    assert torch.equal(codec.decode(pr), decode_ref(codec, pr))
+    assert torch.allclose(codec.decode(pf).float(), decode_ref(codec, pr).float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign", "int8:stochastic=true", "qsgd", "terngrad", "qsgd:levels=100"])
+def test_quantisers_nonfinite(lib, spec):
+    codec = make(spec)
+    x = big_input(wide=False)
+    bad_buckets = {3: float("nan"), 7: float("inf"), 11: float("-inf")}
+    for b, v in bad_buckets.items():
+        x[b * 512 + 17] = v
+    y = codec.decode(codec.encode(x, seed=1)).view(-1)
+    ref = decode_ref(codec, codec.encode(x, seed=1))
+    for b in range(-(-N // 512)):
+        yb = y[b * 512 : (b + 1) * 512]
+        if b in bad_buckets:
+            assert not torch.isfinite(yb).all(), (spec, b)
+        else:
+            assert torch.isfinite(yb).all(), (spec, b)
+            assert torch.equal(yb, ref[b * 512 : (b + 1) * 512])  # decoding the same payload
+
+
+# --------------------------------------------------------------------------- stochastic quantisers
+def exact_moments(spec: str, x: torch.Tensor):
+    """Per element: the two neighbouring decoded levels' spacing and the exact variance (float64)."""
+    codec = make(spec)
+    bucket = codec.bucket
+    n = x.numel()
+    nb = -(-n // bucket)
+    xb = torch.nn.functional.pad(x.double(), (0, nb * bucket - n)).view(nb, bucket)
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    if codec.name == "qsgd":
+        norm = torch.linalg.vector_norm(xb, dim=1, keepdim=True)
+        step = norm / codec.levels
+        y = xb.abs() / torch.where(step > 0, step, torch.ones_like(step))
+    elif codec.name == "terngrad":
+        step = amax
+        y = xb.abs() / torch.where(step > 0, step, torch.ones_like(step))
+    else:
+        step = amax / codec.qmax
+        y = xb / torch.where(step > 0, step, torch.ones_like(step))
+    frac = y - torch.floor(y)
+    var = step**2 * frac * (1 - frac)
+    return step.expand_as(xb).reshape(-1)[:n], var.reshape(-1)[:n]
+
+
+STOCHASTIC = ["int8:stochastic=true", "int4:stochastic=true", "int4:stochastic=true,bucket=64", "qsgd",
+              "qsgd:levels=1", "qsgd:levels=100", "terngrad"]
+
+
+def _moments(codec, x, seeds):
+    s = torch.zeros(x.numel(), dtype=torch.float64)
+    s2 = torch.zeros_like(s)
+    for seed in seeds:
+        y = codec.decode(codec.encode(x, seed=seed)).double()
+        s += y
+        s2 += y * y
+    mean = s / len(seeds)
+    var = (s2 / len(seeds) - mean**2).clamp_min(0) * len(seeds) / (len(seeds) - 1)
+    return mean, var
+
+
+@pytest.mark.parametrize("spec", STOCHASTIC)
+def test_stochastic_quantisers_same_distribution(lib, spec):
+    codec = make(spec)
+    x = big_input(wide=False)
+    pf, pr = encode_both(codec, x, seed=5)
+    # the same layout and the same scales / norms; codes on one of the two neighbouring levels
+    assert [(t.dtype, t.shape) for t in pf.tensors] == [(t.dtype, t.shape) for t in pr.tensors]
+    assert torch.allclose(pf.tensors[1], pr.tensors[1], rtol=1e-6, atol=0)
+    step, exact_var = exact_moments(spec, x)
+    y = codec.decode(pf).double()
+    assert ((y - x.double()).abs() <= step * (1 + 1e-5)).all()
+    if codec.name == "qsgd":
+        assert ((y == 0) | (torch.sign(y) == torch.sign(x.double()))).all()
+    # deterministic for a seed, another seed another draw
+    again = codec.encode(x, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(pf.tensors, again.tensors))
+    assert not torch.equal(codec.encode(x, seed=6).tensors[0], pf.tensors[0])
+
+    seeds = range(64)
+    xd = x.double()
+    for path in (True, False):  # the fast path and, for comparison, the reference
+        with fast.use(path):
+            mean, var = _moments(codec, x, seeds)
+        # unbiased: ||mean - x||^2 about its expectation sum(var) / S, per chunk of 4096 and overall
+        se2 = exact_var / len(seeds)
+        err2 = (mean - xd) ** 2
+        for a in range(0, N, 4096):
+            ratio = err2[a : a + 4096].sum() / (se2[a : a + 4096].sum() + 1e-300)
+            assert ratio < 1.5, (spec, path, a, ratio.item())
+        assert 0.9 < err2.sum() / se2.sum() < 1.1, (spec, path, (err2.sum() / se2.sum()).item())
+        # the exact variance of stochastic rounding (sum over elements)
+        assert abs(var.sum() / exact_var.sum() - 1) < 0.03, (spec, path, (var.sum() / exact_var.sum()).item())
+
+
+def test_noise_is_independent(lib):
+    """terngrad on |x| = max/2: keep decisions are fair coins, independent of the neighbour and of the seed."""
+    x = torch.full((N,), 0.5)
+    x[::512] = 1.0
+    x[1::2] *= -1
+    codec = make("terngrad")
+    mask = torch.ones(N, dtype=torch.bool)
+    mask[::512] = False
+    keeps = []
+    for seed in (0, 1, 2**40, 2**63 + 5):
+        y = codec.decode(codec.encode(x, seed=seed))
+        keeps.append((y != 0)[mask].float())
+    sd = 0.5 / math.sqrt(mask.sum().item())
+    for k in keeps:
+        assert abs(k.mean().item() - 0.5) < 5 * sd
+        both = (k[1:] * k[:-1]).mean().item()  # neighbours: P(both kept) = 1/4
+        assert abs(both - 0.25) < 5 * 0.433 / math.sqrt(k.numel())
+    for a in range(len(keeps)):
+        for b in range(a + 1, len(keeps)):  # different seeds agree half of the time
+            agree = (keeps[a] == keeps[b]).float().mean().item()
+            assert abs(agree - 0.5) < 5 * sd
+
+
+# --------------------------------------------------------------------------- small shapes (MIN_NUMEL lowered)
+SMALL_NS = [1, 2, 5, 7, 8, 9, 63, 511, 512, 513, 1000, 4097]
+
+
+@pytest.mark.parametrize("spec", DETERMINISTIC + STOCHASTIC)
+def test_small_tensors_on_the_fast_path(lib, spec, monkeypatch):
+    monkeypatch.setattr(fast, "MIN_NUMEL", 1)
+    codec = make(spec)
+    for n in SMALL_NS:
+        x = torch.randn(n, generator=gen(n))
+        assert fast.applies(x)
+        pf, pr = encode_both(codec, x)
+        assert [(t.dtype, t.shape) for t in pf.tensors] == [(t.dtype, t.shape) for t in pr.tensors], (spec, n)
+        if not codec.stochastic:
+            assert torch.equal(pf.tensors[0], pr.tensors[0]), (spec, n)
+            assert torch.allclose(pf.tensors[1], pr.tensors[1], rtol=1e-5, atol=0)
+        y = codec.decode(pf)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+        assert torch.equal(codec.decode(pr), decode_ref(codec, pr)), (spec, n)
+        assert torch.equal(codec.decode(codec.encode(torch.zeros(n))), torch.zeros(n))
+
+
+# --------------------------------------------------------------------------- sparsifiers
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN included)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.element_size()]),
+                                                                     b.view(ints[b.element_size()]))
+
+
+def keys(x: torch.Tensor) -> torch.Tensor:
+    """Order keys of |x| (float32 bits without the sign; NaN above Inf), as int64."""
+    return (x.float().contiguous().view(torch.int32).long() & 0x7FFFFFFF)
+
+
+def generated(kind: str, n: int, seed: int) -> torch.Tensor:
+    g = gen(seed)
+    if kind == "gaussian":
+        return torch.randn(n, generator=g)
+    if kind == "ties":
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    if kind == "sparse":
+        return torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.02)
+    if kind == "cauchy":
+        return torch.empty(n).cauchy_(generator=g)
+    if kind == "nonfinite":
+        x = torch.randn(n, generator=g)
+        x[n // 3], x[n // 2], x[-1] = float("nan"), float("inf"), float("-inf")
+        return x
+    raise AssertionError(kind)
+
+
+KINDS = ["gaussian", "ties", "sparse", "cauchy", "nonfinite"]
+
+
+def check_exact_topk(x: torch.Tensor, idx: torch.Tensor, ref_idx: torch.Tensor, k: int):
+    flat = x.reshape(-1)
+    assert idx.dtype == torch.int32 and idx.numel() == k
+    assert torch.equal(idx, idx.sort().values) and idx.unique().numel() == k  # ascending, no position twice
+    kf, kr = keys(flat[idx.long()]), keys(flat[ref_idx.long()])
+    assert torch.equal(kf.sort().values, kr.sort().values)  # the same multiset of magnitudes: exact top-k
+    if k < flat.numel():
+        dropped = torch.ones(flat.numel(), dtype=torch.bool)
+        dropped[idx.long()] = False
+        assert kf.min() >= keys(flat[dropped]).max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ratio", [1e-4, 0.01, 0.1, 0.5, 0.9, 1.0])
+def test_topk_exact(lib, kind, ratio):
+    x = generated(kind, N, seed=int(ratio * 1e4))
+    codec = make(f"topk:ratio={ratio}")
+    pf, pr = encode_both(codec, x)
+    k = min(N, max(1, math.ceil(ratio * N)))
+    check_exact_topk(x, pf.tensors[1], pr.tensors[1], k)
+    assert same(pf.tensors[0], x[pf.tensors[1].long()])  # values as they are, in the input's dtype
+    if kind == "gaussian":  # no tie at the k-th magnitude: the very same positions and decode
+        assert torch.equal(pf.tensors[1], pr.tensors[1].sort().values.int())
+        assert same(codec.decode(pf), decode_ref(codec, pr))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_topk_exact_half_precision(lib, dtype):
+    x = generated("cauchy", N, seed=1).to(dtype)  # many equal magnitudes
+    pf, pr = encode_both(make("topk:ratio=0.03"), x)
+    check_exact_topk(x, pf.tensors[1], pr.tensors[1], math.ceil(0.03 * N))
+    assert pf.tensors[0].dtype == dtype
+
+
+def test_topk_hybrid_values(lib):
+    x = generated("gaussian", 4 * N, seed=2)
+    codec = make("topk:ratio=0.25,values=int8")
+    pf, pr = encode_both(codec, x)
+    idx = pf.tensors[-1]
+    check_exact_topk(x, idx, pr.tensors[-1], N)
+    inner = make("int8").encode(x[idx.long()], seed=0)  # the kept values in ascending position order, int8-coded
+    assert all(torch.equal(a, b) for a, b in zip(pf.tensors[:-1], inner.tensors))
+    y = codec.decode(pf)
+    assert (y[idx.long()] - x[idx.long()]).abs().max() <= x.abs().max() / 127
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", ["dgc", "dgc:ratio=0.1,sample=0.1", "dgc:ratio=0.001,sample=0.001", "dgc:ratio=0.6"])
+def test_dgc_selection(lib, kind, spec):
+    codec = make(spec)
+    x = generated(kind, N, seed=7)
+    k = min(N, max(1, math.ceil(codec.ratio * N)))
+    for seed in range(3):
+        p = codec.encode(x, seed=seed)
+        vals, idx = p.tensors
+        kept = idx.numel()
+        assert k / 2 <= kept <= 2 * k, (kept, k)
+        assert torch.equal(idx, idx.sort().values) and idx.unique().numel() == kept
+        assert same(vals, x[idx.long()])
+        dropped = torch.ones(N, dtype=torch.bool)
+        dropped[idx.long()] = False
+        if dropped.any():
+            assert keys(vals).min() >= keys(x[dropped]).max()
+        assert all(same(a, b) for a, b in zip(p.tensors, codec.encode(x, seed=seed).tensors))
+        y = codec.decode(p)
+        assert same(y[idx.long()], vals) and (y[dropped] == 0).all()
+
+
+def test_dgc_kept_count_distribution(lib):
+    """The sampled threshold: the kept counts of both paths have the same distribution (mean over seeds)."""
+    codec = make("dgc:ratio=0.1,sample=0.1")
+    x = generated("gaussian", N, seed=8)
+    counts = {}
+    for path in (True, False):
+        with fast.use(path):
+            counts[path] = torch.tensor([codec.encode(x, seed=s).tensors[1].numel() for s in range(16)]).double()
+    k = math.ceil(0.1 * N)
+    for path in (True, False):
+        assert abs(counts[path].mean() / k - 1) < 0.05, counts  # about k: relative sd per draw 1/sqrt(700)
+    assert abs(counts[True].mean() / counts[False].mean() - 1) < 0.05
+    assert abs(counts[True].std() / counts[False].std() - 1) < 1.0
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-3, 0.5, 1.0 + 1e-9, 2.0, float("inf")])
+def test_threshold_same_selection(lib, value):
+    codec = make(f"threshold:value={value}")
+    x = generated("nonfinite", N, seed=9)
+    x[5] = -0.5
+    pf, pr = encode_both(codec, x)
+    assert all(same(a, b) for a, b in zip(pf.tensors, pr.tensors))
+    assert same(codec.decode(pf), decode_ref(codec, pr))
+    # float16 input compares in float16 on the reference path: reference there
+    xh = x.half()
+    assert not fast.applies(xh, (torch.float32,))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.3", "topk:ratio=0.01,values=int8", "dgc:ratio=0.1",
+                                  "threshold:value=1"])
+def test_small_sparse_inputs_on_the_fast_path(lib, spec, monkeypatch):
+    monkeypatch.setattr(fast, "MIN_NUMEL", 1)
+    codec = make(spec)
+    for kind in KINDS:
+        for n in SMALL_NS:
+            x = generated(kind, n, seed=n)
+            pf, pr = encode_both(codec, x)
+            idx, ref_idx = pf.tensors[-1], pr.tensors[-1]
+            if codec.name == "topk":
+                check_exact_topk(x, idx, ref_idx, min(n, max(1, math.ceil(codec.ratio * n))))
+            elif codec.name == "threshold":
+                assert torch.equal(idx, ref_idx.int())
+            y = codec.decode(pf)
+            assert y.shape == x.shape
+            if codec.values is None:
+                assert same(y[idx.long()], x[idx.long()])
+
+
+# --------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_fast_path_same_bytes(lib, bits):
+    for n in (fast.MIN_NUMEL, N, 3 * N + 5):
+        codes = torch.randint(0, 2**bits, (n,), generator=gen(n + bits), dtype=torch.uint8)
+        packed = pack(codes, bits)
+        with fast.use(False):
+            ref = pack(codes, bits)
+            assert torch.equal(unpack(ref, bits, n), codes)
+        assert torch.equal(packed, ref)
+        assert torch.equal(unpack(packed, bits, n), codes)
+        assert torch.equal(unpack(packed, bits, n - 3), codes[: n - 3])  # a prefix
+
+
+# --------------------------------------------------------------------------- peak memory
+def _peak_extra_bytes(fn) -> int:
+    """Peak resident set growth while fn runs (Linux: VmHWM after resetting it)."""
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError(field)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS
+    before = status("VmRSS:")
+    out = fn()
+    return status("VmHWM:") - before, out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.parametrize("spec", ["int8", "int4:stochastic=true", "qsgd", "terngrad", "sign", "topk:ratio=0.01",
+                                  "dgc:ratio=0.01", "topk:ratio=0.01,values=int8", "threshold:value=1"])
+def test_encode_peak_memory(lib, spec):
+    """An encode needs at most one float32 buffer of the input's size besides its output (here: none)."""
+    n = 1 << 24
+    x = torch.randn(n, generator=gen(0))
+    codec = make(spec)
+    codec.encode(x, seed=0)  # warm up
+    try:
+        extra, p = _peak_extra_bytes(lambda: codec.encode(x, seed=0))
+    except OSError:
+        pytest.skip("cannot reset the high-water mark")
+    assert extra <= p.nbytes + 4 * n, (spec, extra / 4 / n)
