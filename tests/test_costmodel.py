@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -295,3 +296,22 @@ def test_default_error_feedback_matches_cli():
     for spec in ("none", "fp16", "int8", "int4", "sign", "topk:ratio=0.01", "powersgd:rank=1", "qsgd", "terngrad",
                  "int8:stochastic=true", "randomk:scale=true", "randomk:scale=false"):
         assert cm.default_error_feedback(cm.parse_scheme(spec)) == default_error_feedback(spec), spec
+
+
+def test_measured_phases_replace_pass_counts():
+    int8 = cm.parse_scheme("int8")
+    key = cm.phase_key(int8.codec, 4)
+    speeds = cm.Speeds(elementwise=0.0, encode={}, decode={}, phases={key: [1e-9, 2e-9, 3e-9]})
+    shapes = [(1024, 1024)]
+    (b,) = cm.bucket_work(int8, shapes, 4, 1e9, 0.0, speeds, contention=2.0)
+    n = 1024 * 1024
+    assert b.hook_s == pytest.approx(2 * n * 1e-9)
+    assert [r.after_s for r in b.rounds] == pytest.approx([2 * n * 2e-9, 2 * n * 3e-9])
+    # DDP's copy into the bucket and back are added to the first and last phase
+    speeds = dataclasses.replace(speeds, elementwise=1e-10)
+    (b,) = cm.bucket_work(int8, shapes, 4, 1e9, 0.0, speeds)
+    assert b.hook_s == pytest.approx(n * 1.1e-9)
+    assert b.rounds[-1].after_s == pytest.approx(n * 3.1e-9)
+    # another worker count: not measured, back to pass counts
+    (b,) = cm.bucket_work(int8, shapes, 8, 1e9, 0.0, speeds)
+    assert b.hook_s == pytest.approx(n * 1e-10 * cm.codec_passes(int8, 8)[0]["ew"])

@@ -349,6 +349,9 @@ class Speeds:
     elementwise: float
     encode: dict
     decode: dict
+    #: measured Compressor work per compressible element, by phase (hook, after round 1, ...), keyed by
+    #: :func:`phase_key`; when present it replaces the pass counts of :func:`codec_passes`
+    phases: dict = dataclasses.field(default_factory=dict)
 
     def enc(self, codec) -> float:
         return self.encode.get(codec.spec, 0.0)
@@ -404,6 +407,14 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     return [{"ew": 2, "enc": 0.5}, {"enc": 0.5, "dec": 1, "ew": ef}, {"dec": 1, "ew": 1}]
 
 
+def phase_key(codec, workers: int) -> str:
+    return f"{codec.spec}@{workers}"
+
+
+#: DDP's own work around any hook, per element: the gradients copied into the bucket; the result copied back
+DDP_PASSES = ({"ew": 1}, {"ew": 1})
+
+
 def speed_codec(scheme: Scheme):
     """The codec whose measured speed stands for the scheme's codec work (None: copies only)."""
     if scheme.kind == "ours":
@@ -436,8 +447,15 @@ def bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, b
             codec = scheme.codec
         else:
             n, codec = sum(numel_of(shapes[i]) for i in b), speed_codec(scheme)
-        phases = codec_passes(scheme, workers, error_feedback) if n else [{}]
-        secs = [contention * _phase_seconds(p, codec, speeds, n) for p in phases]
+        # measured phases of our Compressor (torch-powersgd: ours at the same rank stands in for it)
+        measured = speeds.phases.get(phase_key(codec, workers)) if codec is not None else None
+        if n and measured is not None:
+            secs = [contention * n * m for m in measured]
+            secs[0] += contention * n * DDP_PASSES[0]["ew"] * speeds.elementwise  # DDP: into the bucket
+            secs[-1] += contention * n * DDP_PASSES[1]["ew"] * speeds.elementwise  # and back
+        else:
+            phases = codec_passes(scheme, workers, error_feedback) if n else [{}]
+            secs = [contention * _phase_seconds(p, codec, speeds, n) for p in phases]
         secs += [0.0] * (len(rounds) + 1 - len(secs))
         comm = [collective_time(kind, nbytes, workers, bandwidth, alpha) for kind, nbytes, _ in rounds]
         out.append(BucketWork(ready=done / total, hook_s=secs[0],
@@ -552,6 +570,6 @@ def square_shapes(params: int, side: int = 2048) -> list[tuple[int, ...]]:
 __all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "Prediction", "Round", "Scheme", "Speeds", "StepTime",
            "allgather_bytes", "allgather_time", "allreduce_bytes", "allreduce_time", "alltoall_bytes",
            "alltoall_time", "bucket_work", "buckets_for", "chunk_numel", "codec_passes", "ddp_buckets",
-           "default_error_feedback", "format_rate", "parse_duration", "parse_rate", "parse_scheme",
+           "default_error_feedback", "format_rate", "parse_duration", "phase_key", "parse_rate", "parse_scheme",
            "payload_bandwidth", "payload_bytes", "predict", "round_bytes", "simulate_step", "speed_codec", "square_shapes",
            "two_step_time", "wire_bytes", "with_speedups"]

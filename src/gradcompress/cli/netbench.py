@@ -405,10 +405,22 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         "threads_per_worker": threads,
         "cpu_count": os.cpu_count(),
         "compute_s": statistics.fmean(r["compute_s"] for r in records),
+        "allreduce_small_s": max(r["allreduce_small_s"] for r in records),
+        "alpha_s": max(r["allreduce_small_s"] for r in records) / (2 * (workers - 1)),
+        "allreduce_8mb_s": max(r["allreduce_8mb_s"] for r in records),
+        "allreduce_payload_bandwidth": _effective_bandwidth(records, workers),
         "baseline": base["scheme"] if base else None,
         "torch_powersgd_bucket_cap_mb": records[0]["one_bucket_cap_mb"],
         "schemes": rows,
     }
+
+
+def _effective_bandwidth(records: list[dict], workers: int) -> float | None:
+    """Payload bytes/s per host implied by the 8 MB all-reduce: 2(W-1)/W M / (t - 2(W-1) alpha)."""
+    small = max(r["allreduce_small_s"] for r in records)
+    big = max(r["allreduce_8mb_s"] for r in records)
+    t = big - small
+    return 2 * (workers - 1) / workers * 8 * 2**20 / t if t > 0 else None
 
 
 def _human(n: float | None) -> str:
@@ -437,7 +449,9 @@ def format_table(result: dict) -> str:
     lines = [f"{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
              f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
              f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
-             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step"]
+             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step; 4-byte all-reduce "
+             f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
+             f"{_human(result['allreduce_payload_bandwidth'])}/s payload per host"]
     for k, row in enumerate(rows):
         lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         if k == 0:
@@ -501,6 +515,25 @@ def _worker(cfg: dict) -> None:
             times.append(time.perf_counter() - start)
     compute_s = statistics.median(times)
     del model, opt
+
+    # the network as gloo sees it: a 4-byte all-reduce (2(W-1) message steps) and an 8 MB one
+    small = torch.zeros(1)
+    times = []
+    for k in range(12):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(small)
+        if k >= 2:
+            times.append(time.perf_counter() - start)
+    small_s = statistics.median(times)
+    big = torch.zeros(2 * 2**20)
+    times = []
+    for k in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(big)
+        times.append(time.perf_counter() - start)
+    big_s = statistics.median(times)
 
     records = []
     for i, text in enumerate(cfg["schemes"]):
@@ -571,7 +604,8 @@ def _worker(cfg: dict) -> None:
         del ddp, comp, opt, model
         dist.barrier()
     with open(cfg["out"] + ".part", "w") as f:
-        json.dump({"rank": rank, "compute_s": compute_s, "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
+        json.dump({"rank": rank, "compute_s": compute_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
+                   "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
                    "schemes": records}, f)
     os.replace(cfg["out"] + ".part", cfg["out"])
     dist.barrier()

@@ -129,6 +129,84 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
         torch.set_num_threads(old)
 
 
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _LocalCollectives:
+    """Stands in for ``exchange.Collectives`` in the calibration: no communication, results as if every rank
+    held the same tensor (an all-reduce multiplies by W, an all-gather repeats, an all-to-all copies)."""
+
+    def __init__(self, world: int):
+        self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
+
+    def all_reduce(self, t):
+        t.mul_(self.world)
+        return _Done()
+
+    def all_gather(self, t):
+        return [t.clone() for _ in range(self.world)], _Done()
+
+    def all_to_all(self, t):
+        return t.clone(), _Done()
+
+    def wait(self, works) -> None:
+        pass
+
+
+def calibrate_phases(codecs: list, workers: int, numel: int = CALIBRATION_NUMEL, threads: int = 1,
+                     steps: int = 4) -> dict:
+    """Seconds per element of each phase of our Compressor's exchange (the hook's work, then the work after
+    each round), measured by running its exchange of one float32 2048-row matrix with the collectives
+    replaced by local stand-ins. Keys: ``costmodel.phase_key(codec, workers)``. Relies on the Compressor's
+    internals (``_comm``, ``_group_job``); a codec whose run fails is left out (pass counts are used)."""
+    import torch
+
+    import gradcompress
+    from ..costmodel import Scheme, default_error_feedback, phase_key
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out = {}
+    try:
+        cols = max(1, numel // MATRIX_ROWS)
+        base = torch.randn(MATRIX_ROWS, cols, generator=torch.Generator().manual_seed(0)) * 1e-3
+        for codec in codecs:
+            key = phase_key(codec, workers)
+            if key in out:
+                continue
+            try:
+                comp = gradcompress.Compressor(codec, warmup_steps=0, seed=0,
+                                               error_feedback=default_error_feedback(Scheme(codec.spec, "ours",
+                                                                                            codec)))
+                comp._comm, comp._checked = _LocalCollectives(workers), True
+                runs = []
+                for _ in range(steps):
+                    g = base.clone()
+                    comp._begin()
+                    job = comp._group_job([0], [g], None)
+                    phases, start = [], time.perf_counter()
+                    while True:
+                        try:
+                            next(job)
+                        except StopIteration:
+                            phases.append(time.perf_counter() - start)
+                            break
+                        phases.append(time.perf_counter() - start)
+                        start = time.perf_counter()
+                    comp._end()
+                    runs.append(phases)
+                runs = runs[1:]  # the first step has no residual yet
+                out[key] = [statistics.median(r[k] for r in runs) / base.numel() for k in range(len(runs[0]))]
+            except Exception as err:  # noqa: BLE001 - a calibration, not a test: fall back to pass counts
+                print(f"plan: could not time the Compressor with {codec.spec} ({type(err).__name__}: {err}); "
+                      "using encode/decode pass counts", file=sys.stderr)
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
 # --------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     from .. import costmodel as cm
@@ -155,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: calibrating {len({c.spec for c in codecs})} codec(s) on {args.calibration_numel:,} elements "
           f"({args.threads} thread(s))...", file=sys.stderr)
     speeds = calibrate(codecs, args.calibration_numel, args.threads)
+    speeds = dataclasses.replace(speeds, phases=calibrate_phases(codecs, args.workers, args.calibration_numel,
+                                                                 args.threads))
     preds = cm.with_speedups([
         cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
                    latency_s=args.latency, contention=contention, efficiency=args.efficiency,
@@ -166,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         "contention": contention, "threads": args.threads, "per_message_s": args.per_message_us / 1e6,
         "efficiency": args.efficiency,
         "calibration": {"numel": args.calibration_numel, "elementwise_s_per_elem": speeds.elementwise,
-                        "encode_s_per_elem": speeds.encode, "decode_s_per_elem": speeds.decode},
+                        "encode_s_per_elem": speeds.encode, "decode_s_per_elem": speeds.decode,
+                        "compressor_phase_s_per_elem": speeds.phases},
         "predictions": [dataclasses.asdict(p) for p in preds],
     }
     if args.json:
