@@ -379,9 +379,15 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def dgc_indices(x: torch.Tensor, k: int, m: int, kth: int, seed: int) -> torch.Tensor:
     """DGC's selection (see :class:`gradcompress.codecs.sparse.DGC`) with the sample drawn from the seed's stream."""
+    n = x.numel()
     tkey = sampled_key(x, m, kth, stream_key(seed, _SALT_DGC))
+    if tkey == 0:  # every element is at or above the threshold (n > 2k): the top-k of all
+        return select_top(x, None, k)
     cand = collect(x, tkey)
     if cand.numel() > 2 * k:
+        if cand.numel() > n // 4:  # the same k (all above the threshold), with less memory
+            del cand
+            return select_top(x, None, k)
         return select_top(x, cand, k)
     if 2 * cand.numel() < k:
         return topk_indices(x, k)
