@@ -466,7 +466,7 @@ def _peak_extra_bytes(fn) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
-@pytest.mark.parametrize("spec", ["int8", "int4:stochastic=true", "qsgd", "terngrad", "sign", "topk:ratio=0.01",
+@pytest.mark.parametrize("spec", ["int8", "int4:stochastic=true", "qsgd", "terngrad", "sign", "topk:ratio=0.01", "topk:ratio=0.4",
                                   "dgc:ratio=0.01", "topk:ratio=0.01,values=int8", "threshold:value=1"])
 def test_encode_peak_memory(lib, spec):
     """An encode needs at most one float32 buffer of the input's size besides its output (here: none)."""

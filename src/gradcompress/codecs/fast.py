@@ -359,7 +359,7 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     A threshold from a sample (the magnitude with a few standard deviations more than the
     expected count of sampled values above it), every element at or above it collected in
     one pass (almost always k to 1.2 k of them), then the exact top-k among those. If the
-    sample misled (fewer than k collected, or too many ties), the exact top-k over all.
+    sample misled (fewer than k collected, or more than n/2 with ties), the exact top-k over all.
     """
     n = x.numel()
     if k >= n:
@@ -371,7 +371,7 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
         tkey = sampled_key(x, m, r, stream_key(n, _SALT_TOPK))
         if tkey > 0:
             cand = collect(x, tkey)
-            if k <= cand.numel() <= n // 4:
+            if k <= cand.numel() <= n // 2:  # candidates + their keys: at most one float32 buffer
                 return select_top(x, cand, k)
             del cand
     return select_top(x, None, k)
@@ -381,11 +381,11 @@ def dgc_indices(x: torch.Tensor, k: int, m: int, kth: int, seed: int) -> torch.T
     """DGC's selection (see :class:`gradcompress.codecs.sparse.DGC`) with the sample drawn from the seed's stream."""
     n = x.numel()
     tkey = sampled_key(x, m, kth, stream_key(seed, _SALT_DGC))
-    if tkey == 0:  # every element is at or above the threshold (n > 2k): the top-k of all
+    if tkey == 0:  # every element is at or above the threshold (and n > 2k): the top-k of all
         return select_top(x, None, k)
     cand = collect(x, tkey)
     if cand.numel() > 2 * k:
-        if cand.numel() > n // 4:  # the same k (all above the threshold), with less memory
+        if cand.numel() > n // 2:  # the same k (all above the threshold), with less memory
             del cand
             return select_top(x, None, k)
         return select_top(x, cand, k)

@@ -48,7 +48,7 @@ class _Sparse(Codec):
 
     def _encode(self, flat, seed):
         idx = self._select(flat, seed)
-        vals = flat[idx]
+        vals = flat.index_select(0, idx)  # int32 positions as they are (flat[idx] would copy them to int64)
         head = (vals,) if self.values is None else self.values.encode(vals, seed=seed).tensors
         return (*head, idx.to(torch.int32))
 
