@@ -307,11 +307,7 @@ def test_measured_phases_replace_pass_counts():
     n = 1024 * 1024
     assert b.hook_s == pytest.approx(2 * n * 1e-9)
     assert [r.after_s for r in b.rounds] == pytest.approx([2 * n * 2e-9, 2 * n * 3e-9])
-    # DDP's copy into the bucket and back are added to the first and last phase
     speeds = dataclasses.replace(speeds, elementwise=1e-10)
-    (b,) = cm.bucket_work(int8, shapes, 4, 1e9, 0.0, speeds)
-    assert b.hook_s == pytest.approx(n * 1.1e-9)
-    assert b.rounds[-1].after_s == pytest.approx(n * 3.1e-9)
     # another worker count: not measured, back to pass counts
     (b,) = cm.bucket_work(int8, shapes, 8, 1e9, 0.0, speeds)
     assert b.hook_s == pytest.approx(n * 1e-10 * cm.codec_passes(int8, 8)[0]["ew"])

@@ -32,7 +32,9 @@ work between rounds) run after the backward pass, bucket after bucket, as
 ``exchange.drive`` does; PyTorch's PowerSGD hook has one bucket so the same holds.
 Codec work is counted in passes over the elements with per-element costs measured on
 the machine (:class:`Speeds`): encode, decode and one elementwise pass (error feedback
-adds, copies) per codec, multiplied by ``contention`` when workers share CPU cores.
+adds, copies) per codec, or, better, measured per phase on our Compressor itself
+(``Speeds.phases``), multiplied by ``contention`` when workers share CPU cores. The
+compute time is that of a DDP step without communication (DDP's own copies included).
 """
 
 from __future__ import annotations
@@ -385,10 +387,10 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     into its two matrix products, half before each round).
     """
     W = workers
-    if scheme.kind == "ddp":  # copy into the bucket + divide; copy back
+    if scheme.kind == "ddp":  # the default hook divides the bucket (DDP's own copies are part of the compute)
+        return [{"ew": 1}, {}]
+    if scheme.kind == "torch-fp16":  # cast to fp16 and divide; decompress into the bucket
         return [{"ew": 2}, {"ew": 1}]
-    if scheme.kind == "torch-fp16":  # + cast to fp16; decompress
-        return [{"ew": 3}, {"ew": 2}]
     ef = 1 if error_feedback else 0
     if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone; M Q | M^T P | P Q^T, error, copy back
         return [{"ew": 3, "enc": 0.5}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
@@ -409,10 +411,6 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
 
 def phase_key(codec, workers: int) -> str:
     return f"{codec.spec}@{workers}"
-
-
-#: DDP's own work around any hook, per element: the gradients copied into the bucket; the result copied back
-DDP_PASSES = ({"ew": 1}, {"ew": 1})
 
 
 def speed_codec(scheme: Scheme):
@@ -451,8 +449,6 @@ def bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, b
         measured = speeds.phases.get(phase_key(codec, workers)) if codec is not None else None
         if n and measured is not None:
             secs = [contention * n * m for m in measured]
-            secs[0] += contention * n * DDP_PASSES[0]["ew"] * speeds.elementwise  # DDP: into the bucket
-            secs[-1] += contention * n * DDP_PASSES[1]["ew"] * speeds.elementwise  # and back
         else:
             phases = codec_passes(scheme, workers, error_feedback) if n else [{}]
             secs = [contention * _phase_seconds(p, codec, speeds, n) for p in phases]
@@ -520,11 +516,17 @@ class Prediction:
 def predict(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, rate_bit: float, compute_s: float,
             speeds: Speeds, latency_s: float = 0.0, contention: float = 1.0, error_feedback: bool | None = None,
             efficiency: float = FRAMING_EFFICIENCY, software_alpha: float = SOFTWARE_ALPHA,
-            bucket_cap: int | None = None) -> Prediction:
-    """Predicted time of one compressed step of ``scheme`` (see the module docstring)."""
+            bucket_cap: int | None = None, host_limit: float | None = None) -> Prediction:
+    """Predicted time of one compressed step of ``scheme`` (see the module docstring).
+
+    ``host_limit``: the most payload bytes/s a host's CPU can push through its network stack
+    (None: no limit); the link's payload bandwidth is capped at it.
+    """
     if error_feedback is None:
         error_feedback = default_error_feedback(scheme)
     bandwidth = payload_bandwidth(rate_bit, efficiency)
+    if host_limit is not None:
+        bandwidth = min(bandwidth, host_limit)
     alpha = latency_s + software_alpha
     buckets = bucket_work(scheme, shapes, workers, bandwidth, alpha, speeds, contention, error_feedback, bucket_cap)
     st = simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, buckets)

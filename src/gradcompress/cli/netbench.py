@@ -26,9 +26,11 @@ rank's); the bytes each host's interface transmitted per step (``tx_bytes`` of i
 read inside its namespace before and after the timed steps: payload plus TCP/IP and
 Ethernet headers, ACKs, gloo's own messages); ``stats()['wire_bytes']`` per step beside
 it (ours; for the baselines the same ring count computed by :mod:`gradcompress.costmodel`,
-marked ``model``); their ratio; codec time per step; the speed-up over ``ddp``. Also the
-compute time of one step without any communication (forward + backward + SGD step on
-every worker at once), the number ``plan --compute-ms`` wants.
+marked ``model``); their ratio; codec time per step; the speed-up over ``ddp``. Also, with
+every worker at once: the compute time of one step without DDP (forward + backward + SGD
+step), the time of a DDP step whose hook sends nothing (the floor of every scheme, what
+``plan --compute-ms`` wants), the time of a 4-byte all-reduce (2(W-1) message steps:
+``plan --per-message-us``) and the payload bandwidth an 8 MB all-reduce reaches.
 """
 
 from __future__ import annotations
@@ -405,6 +407,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         "threads_per_worker": threads,
         "cpu_count": os.cpu_count(),
         "compute_s": statistics.fmean(r["compute_s"] for r in records),
+        "ddp_floor_s": max(r["ddp_floor_s"] for r in records),
         "allreduce_small_s": max(r["allreduce_small_s"] for r in records),
         "alpha_s": max(r["allreduce_small_s"] for r in records) / (2 * (workers - 1)),
         "allreduce_8mb_s": max(r["allreduce_8mb_s"] for r in records),
@@ -449,7 +452,8 @@ def format_table(result: dict) -> str:
     lines = [f"{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
              f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
              f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
-             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step; 4-byte all-reduce "
+             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step, DDP with a hook that "
+             f"sends nothing {1e3 * result['ddp_floor_s']:.1f} ms/step; 4-byte all-reduce "
              f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
              f"{_human(result['allreduce_payload_bandwidth'])}/s payload per host"]
     for k, row in enumerate(rows):
@@ -476,6 +480,14 @@ def _watch_parent(parent: int) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=loop, daemon=True).start()
+
+
+def _no_communication_hook(state, bucket):
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _read_tx(ifname: str) -> int:
@@ -515,6 +527,23 @@ def _worker(cfg: dict) -> None:
             times.append(time.perf_counter() - start)
     compute_s = statistics.median(times)
     del model, opt
+
+    # the floor of every scheme: a DDP step whose hook sends nothing (DDP's own copies and bookkeeping)
+    model = build_model(name)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, _no_communication_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for k in range(7):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        _loss(name, ddp(x), y).backward()
+        opt.step()
+        if k >= 2:
+            times.append(time.perf_counter() - start)
+    ddp_floor_s = statistics.median(times)
+    del ddp, model, opt
 
     # the network as gloo sees it: a 4-byte all-reduce (2(W-1) message steps) and an 8 MB one
     small = torch.zeros(1)
@@ -604,7 +633,7 @@ def _worker(cfg: dict) -> None:
         del ddp, comp, opt, model
         dist.barrier()
     with open(cfg["out"] + ".part", "w") as f:
-        json.dump({"rank": rank, "compute_s": compute_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
+        json.dump({"rank": rank, "compute_s": compute_s, "ddp_floor_s": ddp_floor_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
                    "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
                    "schemes": records}, f)
     os.replace(cfg["out"] + ".part", cfg["out"])

@@ -2,19 +2,24 @@
 
 The model is :mod:`gradcompress.costmodel` (alpha-beta costs of the collectives each scheme
 uses, DDP's buckets, communication overlapping the backward pass). Its per-element codec
-costs come from a short calibration on this machine: ``encode`` and ``decode`` of each
-codec on ``--calibration-numel`` float32 elements (4M; PowerSGD on a 2048-row matrix),
-and one elementwise pass, median of 3 after a warm-up, with ``--threads`` torch threads
-(1, as ``netbench``'s workers on 2 cores), scaled linearly to the model's size. Prints,
+costs come from a short calibration on this machine with ``--threads`` torch threads (1,
+as ``netbench``'s workers on 2 cores), scaled linearly to the model's size: our
+Compressor's exchange of a 2048 x 2048 float32 matrix (``--calibration-numel``) with the
+collectives replaced by local stand-ins, timed phase by phase (the hook's work, the work
+after each round; the fastest of 5 steps after one), and, for the pass-count fallback and the
+PyTorch hooks, ``encode``/``decode`` of each codec and one elementwise pass. Prints,
 per scheme, the bytes each worker sends per step, communication and codec time, the
 predicted step time and the speed-up over uncompressed DDP, and which schemes pay off.
 
 The model's tensors: ``--model`` (a ``netbench`` model, exact shapes) or ``--params P``
-(P elements as ``--matrix-side`` square matrices). ``--compute-ms``: forward + backward +
-optimizer step of one worker without communication (``netbench`` reports it as "compute
-alone"); 2/3 of it is the backward pass that communication can hide under. ``--cores K``:
+(P elements as ``--matrix-side`` square matrices). ``--compute-ms``: one step of one worker
+without communication, best measured under DDP with a hook that sends nothing (``netbench``
+reports it), so that DDP's own copies are in it; 2/3 of it is the backward pass that
+communication can hide under. ``--per-message-us``: the software cost of one message step
+(``netbench`` measures a 4-byte all-reduce, 2(W-1) steps). ``--cores K``:
 the workers share K cores (as in ``netbench`` on one machine), so codec work is slowed
-by max(1, workers x threads / K).
+by max(1, workers x threads / K), and the calibration runs in min(K, workers) processes at
+once (busy cores also share memory bandwidth and caches).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="one-way latency, e.g. 1ms (default 0); each message step also costs "
                         f"--per-message-us (default {SOFTWARE_ALPHA * 1e6:g} us)")
     p.add_argument("--compute-ms", type=_nonnegative_float, default=100.0, metavar="C",
-                   help="forward + backward + optimizer step without communication, ms (default 100)")
+                   help="one training step without communication, ms: forward + backward + optimizer step, "
+                        "ideally under DDP with a hook that sends nothing (netbench reports it) (default 100)")
     p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC", help="schemes (default: the list below)")
     p.add_argument("--cores", type=positive_int, default=None, metavar="K",
                    help="the workers share K CPU cores (netbench on one machine): codec work x workers*threads/K")
@@ -81,6 +87,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=positive_float, default=FRAMING_EFFICIENCY,
                    help=f"payload share of the link rate (default {FRAMING_EFFICIENCY:.3f}: TCP/IP/Ethernet headers "
                         "at MTU 1500)")
+    p.add_argument("--host-limit", type=_rate, default=None, metavar="RATE",
+                   help="the most payload a host's CPU moves through TCP, same notation as --bandwidth (e.g. "
+                        "4.5gbit; netbench's 8 MB all-reduce measures it); the link is capped at it (default: none)")
     p.add_argument("--calibration-numel", type=positive_int, default=CALIBRATION_NUMEL,
                    help=f"elements timed per codec in the calibration (default {CALIBRATION_NUMEL})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -89,14 +98,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- calibration
-def _median_time(fn, repeats: int = 3) -> float:
+def _min_time(fn, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs after a warm-up (the least disturbed by anything else on the machine)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, repeats: int = 3):
@@ -112,7 +122,7 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
         x = torch.randn(numel, generator=g) * 1e-3
         y = torch.randn(numel, generator=g) * 1e-3
         z = torch.empty_like(x)
-        ew = _median_time(lambda: torch.add(x, y, out=z), repeats) / numel
+        ew = _min_time(lambda: torch.add(x, y, out=z), repeats) / numel
         enc, dec = {}, {}
         for codec in codecs:
             if codec.spec in enc:
@@ -122,8 +132,8 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
                 cols = max(1, numel // MATRIX_ROWS)
                 t = x[: MATRIX_ROWS * cols].view(MATRIX_ROWS, cols)
             payload = codec.encode(t, seed=0)
-            enc[codec.spec] = _median_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()
-            dec[codec.spec] = _median_time(lambda: codec.decode(payload), repeats) / t.numel()
+            enc[codec.spec] = _min_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()
+            dec[codec.spec] = _min_time(lambda: codec.decode(payload), repeats) / t.numel()
         return Speeds(elementwise=ew, encode=enc, decode=dec)
     finally:
         torch.set_num_threads(old)
@@ -156,7 +166,7 @@ class _LocalCollectives:
 
 
 def calibrate_phases(codecs: list, workers: int, numel: int = CALIBRATION_NUMEL, threads: int = 1,
-                     steps: int = 4) -> dict:
+                     steps: int = 6) -> dict:
     """Seconds per element of each phase of our Compressor's exchange (the hook's work, then the work after
     each round), measured by running its exchange of one float32 2048-row matrix with the collectives
     replaced by local stand-ins. Keys: ``costmodel.phase_key(codec, workers)``. Relies on the Compressor's
@@ -198,13 +208,43 @@ def calibrate_phases(codecs: list, workers: int, numel: int = CALIBRATION_NUMEL,
                     comp._end()
                     runs.append(phases)
                 runs = runs[1:]  # the first step has no residual yet
-                out[key] = [statistics.median(r[k] for r in runs) / base.numel() for k in range(len(runs[0]))]
+                out[key] = [min(r[k] for r in runs) / base.numel() for k in range(len(runs[0]))]
             except Exception as err:  # noqa: BLE001 - a calibration, not a test: fall back to pass counts
                 print(f"plan: could not time the Compressor with {codec.spec} ({type(err).__name__}: {err}); "
                       "using encode/decode pass counts", file=sys.stderr)
         return out
     finally:
         torch.set_num_threads(old)
+
+
+def _calibrate_one(codec_specs: list[str], workers: int, numel: int, threads: int):
+    import gradcompress
+
+    codecs = [gradcompress.make(c) for c in codec_specs]
+    speeds = calibrate(codecs, numel, threads)
+    return dataclasses.replace(speeds, phases=calibrate_phases(codecs, workers, numel, threads))
+
+
+def calibrate_all(codecs: list, workers: int, numel: int, threads: int, busy: int = 1):
+    """:func:`calibrate` and :func:`calibrate_phases`; with ``busy`` > 1, in that many processes at once
+    (workers sharing cores also share the memory bandwidth and caches) and averaged."""
+    specs = [c.spec for c in codecs]
+    if busy <= 1:
+        return _calibrate_one(specs, workers, numel, threads)
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(busy, mp_context=mp.get_context("spawn")) as pool:
+        runs = list(pool.map(_calibrate_one, *zip(*[(specs, workers, numel, threads)] * busy)))
+
+    def mean(dicts):
+        return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
+
+    phases = {k: [statistics.fmean(r.phases[k][i] for r in runs) for i in range(len(runs[0].phases[k]))]
+              for k in runs[0].phases if all(k in r.phases for r in runs)}
+    return dataclasses.replace(runs[0], elementwise=statistics.fmean(r.elementwise for r in runs),
+                               encode=mean([r.encode for r in runs]), decode=mean([r.decode for r in runs]),
+                               phases=phases)
 
 
 # --------------------------------------------------------------------------- run
@@ -231,20 +271,21 @@ def run(args: argparse.Namespace) -> int:
     contention = max(1.0, args.workers * args.threads / args.cores) if args.cores else 1.0
     codecs = [c for c in (cm.speed_codec(s) for s in schemes) if c is not None]
     print(f"plan: calibrating {len({c.spec for c in codecs})} codec(s) on {args.calibration_numel:,} elements "
-          f"({args.threads} thread(s))...", file=sys.stderr)
-    speeds = calibrate(codecs, args.calibration_numel, args.threads)
-    speeds = dataclasses.replace(speeds, phases=calibrate_phases(codecs, args.workers, args.calibration_numel,
-                                                                 args.threads))
+          f"({args.threads} thread(s), {min(args.cores, args.workers) if args.cores else 1} process(es) at once)...",
+          file=sys.stderr)
+    busy = min(args.cores, args.workers) if args.cores else 1
+    speeds = calibrate_all(codecs, args.workers, args.calibration_numel, args.threads, busy)
     preds = cm.with_speedups([
         cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
                    latency_s=args.latency, contention=contention, efficiency=args.efficiency,
-                   software_alpha=args.per_message_us / 1e6)
+                   software_alpha=args.per_message_us / 1e6,
+                   host_limit=None if args.host_limit is None else args.host_limit / 8)
         for s in schemes])
     result = {
         "workers": args.workers, "bandwidth_bit": args.bandwidth, "latency_s": args.latency,
         "compute_s": args.compute_ms / 1e3, "params": sum(cm.numel_of(s) for s in shapes), "size": size_text,
         "contention": contention, "threads": args.threads, "per_message_s": args.per_message_us / 1e6,
-        "efficiency": args.efficiency,
+        "efficiency": args.efficiency, "host_limit_bit": args.host_limit,
         "calibration": {"numel": args.calibration_numel, "elementwise_s_per_elem": speeds.elementwise,
                         "encode_s_per_elem": speeds.encode, "decode_s_per_elem": speeds.decode,
                         "compressor_phase_s_per_elem": speeds.phases},
