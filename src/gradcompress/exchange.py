@@ -33,10 +33,10 @@ Job = Generator[list, None, None]
 
 
 # --------------------------------------------------------------------- serialisation
-def to_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors as one flat uint8 buffer (their raw bytes)."""
+def to_bytes(tensors: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+    """Concatenate tensors as one flat uint8 buffer (their raw bytes); empty on ``device`` if none."""
     if not tensors:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
@@ -165,7 +165,7 @@ def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: lis
 
 def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:
     """All-gather every rank's payloads (sizes first if they vary), decode each, average into ``outs``."""
-    local = to_bytes([t for p in payloads for t in p.tensors])
+    local = to_bytes([t for p in payloads for t in p.tensors], outs[0].device if outs else None)
     if codec.fixed_layout:
         layouts = [[layout(p.tensors) for p in payloads]] * comm.world
         gathered, work = comm.all_gather(local)

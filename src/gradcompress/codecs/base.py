@@ -41,12 +41,14 @@ class Payload:
     ``tensors``: the data that travels (and nothing else). ``shape``/``dtype``: the
     input's, kept locally to rebuild it. ``seed``: the seed used, kept locally (codecs
     such as randomk regenerate their positions from it instead of sending them).
+    ``device``: the input's device (where an empty tensor decodes to).
     """
 
     tensors: tuple[torch.Tensor, ...]
     shape: torch.Size
     dtype: torch.dtype
     seed: int | None = None
+    device: torch.device | None = None
 
     @property
     def numel(self) -> int:
@@ -124,12 +126,12 @@ class Codec:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         tensors = self._encode(flat, seed) if flat.numel() else ()
-        return Payload(tuple(tensors), x.shape, x.dtype, seed)
+        return Payload(tuple(tensors), x.shape, x.dtype, seed, x.device)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         n = payload.numel
         if n == 0:
-            return torch.zeros(payload.shape, dtype=payload.dtype)
+            return torch.zeros(payload.shape, dtype=payload.dtype, device=payload.device)
         device = payload.tensors[0].device
         flat = self._decode(payload.tensors, n, payload.seed, device)
         return flat.to(payload.dtype).reshape(payload.shape)
