@@ -28,7 +28,8 @@ Ethernet headers, ACKs, gloo's own messages); ``stats()['wire_bytes']`` per step
 it (ours; for the baselines the same ring count computed by :mod:`gradcompress.costmodel`,
 marked ``model``); their ratio; codec time per step; the speed-up over ``ddp``. Also, with
 every worker at once: the compute time of one step without DDP (forward + backward + SGD
-step), the time of a DDP step whose hook sends nothing (the floor of every scheme, what
+step), the same on one worker while the others wait (their ratio: what sharing the cores
+costs, ``plan --contention``), the time of a DDP step whose hook sends nothing (the floor of every scheme, what
 ``plan --compute-ms`` wants), the time of a 4-byte all-reduce (2(W-1) message steps:
 ``plan --per-message-us``) and the payload bandwidth an 8 MB all-reduce reaches.
 """
@@ -408,6 +409,8 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         "cpu_count": os.cpu_count(),
         "compute_s": statistics.fmean(r["compute_s"] for r in records),
         "ddp_floor_s": max(r["ddp_floor_s"] for r in records),
+        "compute_solo_s": records[0]["compute_solo_s"],
+        "contention": statistics.fmean(r["compute_s"] for r in records) / records[0]["compute_solo_s"],
         "allreduce_small_s": max(r["allreduce_small_s"] for r in records),
         "alpha_s": max(r["allreduce_small_s"] for r in records) / (2 * (workers - 1)),
         "allreduce_8mb_s": max(r["allreduce_8mb_s"] for r in records),
@@ -452,7 +455,8 @@ def format_table(result: dict) -> str:
     lines = [f"{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
              f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
              f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
-             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step, DDP with a hook that "
+             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step (one worker alone: "
+             f"{1e3 * result['compute_solo_s']:.1f} ms, x{result['contention']:.2f}), DDP with a hook that "
              f"sends nothing {1e3 * result['ddp_floor_s']:.1f} ms/step; 4-byte all-reduce "
              f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
              f"{_human(result['allreduce_payload_bandwidth'])}/s payload per host"]
@@ -526,6 +530,20 @@ def _worker(cfg: dict) -> None:
         if k >= 2:
             times.append(time.perf_counter() - start)
     compute_s = statistics.median(times)
+    # the same on rank 0 alone (the others wait in a barrier): compute_s / solo_s is the slowdown that
+    # sharing the CPU cores costs (plan --contention)
+    times = []
+    for k in range(5):
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            _loss(name, model(x), y).backward()
+            opt.step()
+            if k >= 1:
+                times.append(time.perf_counter() - start)
+    solo_s = statistics.median(times) if times else None
+    dist.barrier()
     del model, opt
 
     # the floor of every scheme: a DDP step whose hook sends nothing (DDP's own copies and bookkeeping)
@@ -633,7 +651,7 @@ def _worker(cfg: dict) -> None:
         del ddp, comp, opt, model
         dist.barrier()
     with open(cfg["out"] + ".part", "w") as f:
-        json.dump({"rank": rank, "compute_s": compute_s, "ddp_floor_s": ddp_floor_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
+        json.dump({"rank": rank, "compute_s": compute_s, "compute_solo_s": solo_s, "ddp_floor_s": ddp_floor_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
                    "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
                    "schemes": records}, f)
     os.replace(cfg["out"] + ".part", cfg["out"])

@@ -3,11 +3,12 @@
 The model is :mod:`gradcompress.costmodel` (alpha-beta costs of the collectives each scheme
 uses, DDP's buckets, communication overlapping the backward pass). Its per-element codec
 costs come from a short calibration on this machine with ``--threads`` torch threads (1,
-as ``netbench``'s workers on 2 cores), scaled linearly to the model's size: our
-Compressor's exchange of a 2048 x 2048 float32 matrix (``--calibration-numel``) with the
-collectives replaced by local stand-ins, timed phase by phase (the hook's work, the work
-after each round; the fastest of 5 steps after one), and, for the pass-count fallback and the
-PyTorch hooks, ``encode``/``decode`` of each codec and one elementwise pass. Prints,
+as ``netbench``'s workers on 2 cores): our Compressor's exchange of the model's own tensors
+in its DDP buckets with the collectives replaced by local stand-ins, timed phase by phase
+(the hook's work, the work after each round; the fastest of 3 steps after one), per
+compressed element; and, for the pass-count fallback and the PyTorch hooks, ``encode`` /
+``decode`` of each codec on ``--calibration-numel`` elements and one elementwise pass,
+scaled linearly. ``--calibration FILE`` saves it (or reuses a saved one). Prints,
 per scheme, the bytes each worker sends per step, communication and codec time, the
 predicted step time and the speed-up over uncompressed DDP, and which schemes pay off.
 
@@ -79,6 +80,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC", help="schemes (default: the list below)")
     p.add_argument("--cores", type=positive_int, default=None, metavar="K",
                    help="the workers share K CPU cores (netbench on one machine): codec work x workers*threads/K")
+    p.add_argument("--contention", type=positive_float, default=None, metavar="X",
+                   help="with --cores: the measured slowdown of work when all workers run at once (netbench "
+                        "reports it) instead of workers*threads/cores; the calibration then runs alone")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--matrix-side", type=positive_int, default=2048,
                    help="with --params: the tensors are matrices of this many rows and columns (default 2048)")
@@ -90,6 +94,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-limit", type=_rate, default=None, metavar="RATE",
                    help="the most payload a host's CPU moves through TCP, same notation as --bandwidth (e.g. "
                         "4.5gbit; netbench's 8 MB all-reduce measures it); the link is capped at it (default: none)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="read the codec calibration from FILE (JSON) if it exists and covers the schemes and "
+                        "worker count; otherwise calibrate and write it there")
     p.add_argument("--calibration-numel", type=positive_int, default=CALIBRATION_NUMEL,
                    help=f"elements timed per codec in the calibration (default {CALIBRATION_NUMEL})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -165,50 +172,59 @@ class _LocalCollectives:
         pass
 
 
-def calibrate_phases(codecs: list, workers: int, numel: int = CALIBRATION_NUMEL, threads: int = 1,
-                     steps: int = 6) -> dict:
-    """Seconds per element of each phase of our Compressor's exchange (the hook's work, then the work after
-    each round), measured by running its exchange of one float32 2048-row matrix with the collectives
-    replaced by local stand-ins. Keys: ``costmodel.phase_key(codec, workers)``. Relies on the Compressor's
-    internals (``_comm``, ``_group_job``); a codec whose run fails is left out (pass counts are used)."""
+def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1, steps: int = 4) -> dict:
+    """Seconds per compressed element of each phase of our Compressor's exchange (the hook's work, then the
+    work after each round), measured on the model's own tensors (``shapes``) grouped in its DDP buckets,
+    with the collectives replaced by local stand-ins: the fastest of ``steps - 1`` steps (after one
+    without a residual), summed over the buckets, divided by the elements compressed. Keys:
+    ``costmodel.phase_key(codec, workers)``. Relies on the Compressor's internals (``_comm``,
+    ``_group_job``); a codec whose run fails is left out (pass counts are used)."""
     import torch
 
     import gradcompress
-    from ..costmodel import Scheme, default_error_feedback, phase_key
+    from .. import costmodel as cm
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     out = {}
     try:
-        cols = max(1, numel // MATRIX_ROWS)
-        base = torch.randn(MATRIX_ROWS, cols, generator=torch.Generator().manual_seed(0)) * 1e-3
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(tuple(sh), generator=gen) * 1e-3 for sh in shapes]
         for codec in codecs:
-            key = phase_key(codec, workers)
+            key = cm.phase_key(codec, workers)
             if key in out:
                 continue
+            scheme = cm.Scheme(codec.spec, "ours", codec)
+            buckets = cm.buckets_for(scheme, shapes)
             try:
                 comp = gradcompress.Compressor(codec, warmup_steps=0, seed=0,
-                                               error_feedback=default_error_feedback(Scheme(codec.spec, "ours",
-                                                                                            codec)))
+                                               error_feedback=cm.default_error_feedback(scheme))
+                comp.index_parameters([])
                 comp._comm, comp._checked = _LocalCollectives(workers), True
                 runs = []
                 for _ in range(steps):
-                    g = base.clone()
-                    comp._begin()
-                    job = comp._group_job([0], [g], None)
-                    phases, start = [], time.perf_counter()
-                    while True:
-                        try:
-                            next(job)
-                        except StopIteration:
+                    per_bucket = []
+                    for bucket in buckets:
+                        gs = [grads[i].clone() for i in bucket]
+                        if not per_bucket:
+                            comp._begin()
+                        job = comp._group_job(list(bucket), gs, None)
+                        phases, start = [], time.perf_counter()
+                        while True:
+                            try:
+                                next(job)
+                            except StopIteration:
+                                phases.append(time.perf_counter() - start)
+                                break
                             phases.append(time.perf_counter() - start)
-                            break
-                        phases.append(time.perf_counter() - start)
-                        start = time.perf_counter()
+                            start = time.perf_counter()
+                        per_bucket.append(phases)
                     comp._end()
-                    runs.append(phases)
+                    longest = max(len(p) for p in per_bucket)
+                    runs.append([sum(p[k] for p in per_bucket if len(p) == longest) for k in range(longest)])
+                n = sum(cm.numel_of(shapes[i]) for b in buckets for i in b if cm._compressible(scheme, shapes[i]))
                 runs = runs[1:]  # the first step has no residual yet
-                out[key] = [min(r[k] for r in runs) / base.numel() for k in range(len(runs[0]))]
+                out[key] = [min(r[k] for r in runs) / max(1, n) for k in range(len(runs[0]))]
             except Exception as err:  # noqa: BLE001 - a calibration, not a test: fall back to pass counts
                 print(f"plan: could not time the Compressor with {codec.spec} ({type(err).__name__}: {err}); "
                       "using encode/decode pass counts", file=sys.stderr)
@@ -217,25 +233,25 @@ def calibrate_phases(codecs: list, workers: int, numel: int = CALIBRATION_NUMEL,
         torch.set_num_threads(old)
 
 
-def _calibrate_one(codec_specs: list[str], workers: int, numel: int, threads: int):
+def _calibrate_one(codec_specs: list[str], workers: int, numel: int, threads: int, shapes: list):
     import gradcompress
 
     codecs = [gradcompress.make(c) for c in codec_specs]
     speeds = calibrate(codecs, numel, threads)
-    return dataclasses.replace(speeds, phases=calibrate_phases(codecs, workers, numel, threads))
+    return dataclasses.replace(speeds, phases=calibrate_phases(codecs, workers, shapes, threads))
 
 
-def calibrate_all(codecs: list, workers: int, numel: int, threads: int, busy: int = 1):
+def calibrate_all(codecs: list, workers: int, numel: int, threads: int, shapes: list, busy: int = 1):
     """:func:`calibrate` and :func:`calibrate_phases`; with ``busy`` > 1, in that many processes at once
     (workers sharing cores also share the memory bandwidth and caches) and averaged."""
     specs = [c.spec for c in codecs]
     if busy <= 1:
-        return _calibrate_one(specs, workers, numel, threads)
+        return _calibrate_one(specs, workers, numel, threads, shapes)
     import concurrent.futures as cf
     import multiprocessing as mp
 
     with cf.ProcessPoolExecutor(busy, mp_context=mp.get_context("spawn")) as pool:
-        runs = list(pool.map(_calibrate_one, *zip(*[(specs, workers, numel, threads)] * busy)))
+        runs = list(pool.map(_calibrate_one, *zip(*[(specs, workers, numel, threads, shapes)] * busy)))
 
     def mean(dicts):
         return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]}
@@ -245,6 +261,27 @@ def calibrate_all(codecs: list, workers: int, numel: int, threads: int, busy: in
     return dataclasses.replace(runs[0], elementwise=statistics.fmean(r.elementwise for r in runs),
                                encode=mean([r.encode for r in runs]), decode=mean([r.decode for r in runs]),
                                phases=phases)
+
+
+def _load_calibration(path: str, codecs: list, workers: int):
+    """The Speeds saved in ``path`` when they cover ``codecs`` at ``workers``; None otherwise."""
+    import os
+
+    from ..costmodel import Speeds, phase_key
+
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        speeds = Speeds(elementwise=float(data["elementwise"]), encode=dict(data["encode"]),
+                        decode=dict(data["decode"]), phases=dict(data.get("phases", {})))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CLIError(f"cannot read --calibration {path!r}: {' '.join(str(err).split())}") from None
+    if all(c.spec in speeds.encode and phase_key(c, workers) in speeds.phases for c in codecs):
+        print(f"plan: calibration read from {path}", file=sys.stderr)
+        return speeds
+    return None
 
 
 # --------------------------------------------------------------------------- run
@@ -268,13 +305,24 @@ def run(args: argparse.Namespace) -> int:
     for s in schemes:
         if s.kind == "ours" and s.codec.name == "threshold":
             raise CLIError("threshold sends a data-dependent number of values; plan cannot predict it")
+    if args.contention is not None and not args.cores:
+        raise CLIError("--contention goes with --cores (the workers share that many cores)")
     contention = max(1.0, args.workers * args.threads / args.cores) if args.cores else 1.0
+    if args.contention is not None:
+        contention = args.contention
     codecs = [c for c in (cm.speed_codec(s) for s in schemes) if c is not None]
-    print(f"plan: calibrating {len({c.spec for c in codecs})} codec(s) on {args.calibration_numel:,} elements "
-          f"({args.threads} thread(s), {min(args.cores, args.workers) if args.cores else 1} process(es) at once)...",
-          file=sys.stderr)
-    busy = min(args.cores, args.workers) if args.cores else 1
-    speeds = calibrate_all(codecs, args.workers, args.calibration_numel, args.threads, busy)
+    busy = min(args.cores, args.workers) if args.cores and args.contention is None else 1
+    speeds = _load_calibration(args.calibration, codecs, args.workers) if args.calibration else None
+    if speeds is None:
+        print(f"plan: calibrating {len({c.spec for c in codecs})} codec(s) on {args.calibration_numel:,} elements "
+              f"({args.threads} thread(s), {busy} process(es) at once)...", file=sys.stderr)
+        speeds = calibrate_all(codecs, args.workers, args.calibration_numel, args.threads, shapes, busy)
+        if args.calibration:
+            try:
+                with open(args.calibration, "w") as f:
+                    json.dump(dataclasses.asdict(speeds), f, indent=1)
+            except OSError as err:
+                raise CLIError(f"cannot write --calibration {args.calibration!r}: {err.strerror or err}") from None
     preds = cm.with_speedups([
         cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
                    latency_s=args.latency, contention=contention, efficiency=args.efficiency,
