@@ -26,7 +26,8 @@ rank's); the bytes each host's interface transmitted per step (``tx_bytes`` of i
 read inside its namespace before and after the timed steps: payload plus TCP/IP and
 Ethernet headers, ACKs, gloo's own messages); ``stats()['wire_bytes']`` per step beside
 it (ours; for the baselines the same ring count computed by :mod:`gradcompress.costmodel`,
-marked ``model``); their ratio; codec time per step; the speed-up over ``ddp``. Also, with
+marked ``model``); their ratio; codec time and time spent waiting on collectives per step
+(ours); the speed-up over ``ddp``. Also, with
 every worker at once: the compute time of one step without DDP (forward + backward + SGD
 step), the same on one worker while the others wait (their ratio: what sharing the cores
 costs, ``plan --contention``), the time of a DDP step whose hook sends nothing (the floor of every scheme, what
@@ -374,6 +375,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         else:
             wire, source = float(model_bytes), "model"
         codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
+        wait = [r["comm_seconds"] for r in recs if r.get("comm_seconds") is not None]
         rows.append({
             "scheme": text,
             "kind": scheme.kind,
@@ -386,6 +388,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
             "model_wire_bytes_per_step": model_bytes,
             "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
             "codec_s_per_step": statistics.fmean(codec) / steps if codec else None,
+            "wait_s_per_step": statistics.fmean(wait) / steps if wait else None,
             "buckets": recs[0]["buckets"],
             "error_feedback": recs[0]["error_feedback"],
             "final_loss": recs[0]["loss"],
@@ -440,7 +443,8 @@ def _human(n: float | None) -> str:
 
 
 def format_table(result: dict) -> str:
-    head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "buckets")
+    head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
+            "buckets")
     rows = [head]
     for r in result["schemes"]:
         wire = _human(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
@@ -449,6 +453,7 @@ def format_table(result: dict) -> str:
                      _human(r["iface_tx_bytes_per_step"]), wire,
                      "n/a" if r["iface_over_wire"] is None else f"{r['iface_over_wire']:.3f}",
                      "-" if r["codec_s_per_step"] is None else f"{1e3 * r['codec_s_per_step']:.1f}",
+                     "-" if r.get("wait_s_per_step") is None else f"{1e3 * r['wait_s_per_step']:.1f}",
                      str(r["buckets"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lat = f", {result['latency_s'] * 1e3:g} ms one-way delay" if result["latency_s"] else ""
@@ -466,7 +471,8 @@ def format_table(result: dict) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines.append(f"speed-up: over {result['baseline'] or 'n/a'}; iface: bytes each host's veth transmitted per "
                  "step (mean over hosts); wire: Compressor.stats() wire_bytes per step, '(model)': the same ring "
-                 "count computed for a PyTorch baseline")
+                 "count computed for a PyTorch baseline; codec / wait: Compressor.stats() codec_seconds / "
+                 "comm_seconds (waiting on collectives after the backward pass) per step")
     if any(r["kind"] == "torch-powersgd" for r in result["schemes"]):
         lines.append(f"torch-powersgd ran with ONE bucket (bucket_cap_mb={result['torch_powersgd_bucket_cap_mb']}): "
                      "PyTorch's powerSGD_hook deadlocks on gloo with more than one bucket")
@@ -639,6 +645,7 @@ def _worker(cfg: dict) -> None:
             "iface_tx_bytes": tx1 - tx0,
             "wire_bytes": None if comp is None else st1["wire_bytes"] - st0["wire_bytes"],
             "codec_seconds": None if comp is None else st1["codec_seconds"] - st0["codec_seconds"],
+            "comm_seconds": None if comp is None else st1["comm_seconds"] - st0["comm_seconds"],
             "buckets": buckets,
             "bucket_cap_bytes": None if cap_mb is None else cap_mb * 2**20,
             "error_feedback": ef,
