@@ -117,7 +117,7 @@ def test_plan_json(capsys):
 
 # --------------------------------------------------------------------------- real namespaces
 @needs_netns
-def test_netbench_two_hosts(tmp_path):
+def test_netbench_two_hosts():
     proc = subprocess.Popen(CMD + ["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
                                    "--schemes", "none;int8", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

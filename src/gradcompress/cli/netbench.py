@@ -199,10 +199,6 @@ def check_schemes(texts: list[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the parent
-class _Stop(Exception):
-    pass
-
-
 def run(args: argparse.Namespace) -> int:
     from .. import netns
     from ..costmodel import DEFAULT_SCHEMES
@@ -262,8 +258,8 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
             raise CLIError(f"could not build the test network: {err}") from None
         env = dict(os.environ, GLOO_SOCKET_IFNAME=bed.ifname, OMP_NUM_THREADS=str(threads),
                    PYTHONUNBUFFERED="1")
-        env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None), env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # not a torchrun child
+            env.pop(key, None)
         for rank in range(workers):
             cfg = {"parent": os.getpid(), "rank": rank, "world": workers, "master": bed.addresses[0], "port": PORT, "model": model,
                    "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
