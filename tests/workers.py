@@ -77,6 +77,8 @@ def expected_wire_bytes(world, codec, grads, min_numel):
     def ar(b):
         return 2 * (world - 1) * b // world
 
+    if codec.name == "none":  # exact and stateless: one dense all-reduce of the group, no flag
+        return ar(sum(g.numel() * g.element_size() for g in grads))
     small = [g for g in grads if g.numel() < min_numel or
              codec.aggregation is Aggregation.LOWRANK and codec.matrix_shape(g.shape) is None]
     big = [(k, g) for k, g in enumerate(grads) if not any(g is s for s in small)]

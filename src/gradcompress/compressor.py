@@ -248,7 +248,7 @@ class Compressor:
             for k, g in zip(keys, grads):
                 if k in dense_keys and self.codec.name == "dgc" and self.codec.momentum > 0:
                     g.copy_(self._momentum_step(self.codec, k, g.detach().float()))
-        if codec is None:
+        if codec is None or codec.name == "none":  # none: exact, no state; DDP's own all-reduce
             flat = buffer if buffer is not None else torch.cat([g.reshape(-1) for g in grads]) if grads else None
             if flat is not None:
                 yield from exchange.dense_mean(comm, flat)
@@ -301,11 +301,19 @@ class Compressor:
         self._pending.append((self.momentum, key, u))
         return u
 
-    def _delivered(self, codec: Codec, key: int, x: torch.Tensor, delivered: torch.Tensor) -> None:
-        """Record what this rank's compression delivered: new residual (and DGC momentum masking)."""
+    def _delivered(self, codec: Codec, key: int, x: torch.Tensor, delivered) -> None:
+        """Record what this rank's compression delivered: new residual (and DGC momentum masking).
+
+        ``delivered`` is a callable, evaluated only when some state needs it (without error
+        feedback and DGC masking, no extra decode is spent).
+        """
+        masking = codec.name == "dgc" and codec.momentum > 0 and codec.masking
+        if not (self.error_feedback or masking):
+            return
+        delivered = delivered()
         if self.error_feedback:
             self._pending.append((self.residual, key, (x - delivered.view(x.shape)).float()))
-        if codec.name == "dgc" and codec.momentum > 0 and codec.masking:
+        if masking:
             for i, (store, k, u) in enumerate(self._pending):
                 if store is self.momentum and k == key:
                     self._pending[i] = (store, k, u.masked_fill(delivered.view(u.shape) != 0, 0))
@@ -321,20 +329,20 @@ class Compressor:
             payloads = []
             for k, x in zip(keys, inputs):
                 p = codec.encode(x / world, seed=self._seed(k, codec))
-                self._delivered(codec, k, x, codec.decode(p).float() * world)
+                self._delivered(codec, k, x, lambda p=p: codec.decode(p).float() * world)
                 payloads.append(p)
             yield from exchange.sum_mean(comm, codec, payloads, outs)
         elif aggregation is Aggregation.GATHER:
             payloads = []
             for k, x in zip(keys, inputs):
                 p = codec.encode(x, seed=self._seed(k, codec))
-                self._delivered(codec, k, x, codec.decode(p).float())
+                self._delivered(codec, k, x, lambda p=p: codec.decode(p).float())
                 payloads.append(p)
             yield from exchange.gather_mean(comm, codec, payloads, outs)
         elif aggregation is Aggregation.REQUANTIZE and world == 1:  # nothing to reduce: no second quantisation
             for k, x, out in zip(keys, inputs, outs):
                 delivered = codec.decode(codec.encode(x, seed=self._seed(k, codec))).float()
-                self._delivered(codec, k, x, delivered)
+                self._delivered(codec, k, x, lambda d=delivered: d)
                 out.copy_(delivered)
         elif aggregation is Aggregation.REQUANTIZE:
             chunked = []
@@ -342,8 +350,8 @@ class Compressor:
                 parts = exchange.split_chunks(x.reshape(-1), world, 8)  # whole packed bytes per chunk
                 seed = self._seed(k, codec)
                 payloads = [codec.encode(c, seed=mix_seed(seed, j)) for j, c in enumerate(parts)]
-                delivered = torch.cat([codec.decode(p).float() for p in payloads])[: x.numel()]
-                self._delivered(codec, k, x, delivered)
+                self._delivered(codec, k, x, lambda ps=payloads, n=x.numel():
+                                torch.cat([codec.decode(p).float() for p in ps])[:n])
                 chunked.append(payloads)
 
             def reencode(i: int, mean_chunk: torch.Tensor):
@@ -387,7 +395,7 @@ class Compressor:
             p_hat = [orthonormalize_(p) for p in _split(ps, [(m.shape[0], r) for m, r in zip(mats, rank_of)])]
             q_local = [m.T @ p for m, p in zip(mats, p_hat)]
             for k, x, p, q in zip(keys, inputs, p_hat, q_local):
-                self._delivered(codec, k, x, p @ q.T)
+                self._delivered(codec, k, x, lambda p=p, q=q: p @ q.T)
             q_flat = torch.cat([q.reshape(-1) for q in q_local])
             yield [comm.all_reduce(q_flat)]
             q_flat.div_(world)
@@ -400,7 +408,7 @@ class Compressor:
                              1 if p_step else 2) for k, m, r in zip(keys, mats, rank_of)]
         local = [(m @ b) if p_step else (m.T @ b) for m, b in zip(mats, bases)]
         for k, x, b, f in zip(keys, inputs, bases, local):
-            self._delivered(codec, k, x, f @ b.T if p_step else b @ f.T)
+            self._delivered(codec, k, x, lambda f=f, b=b: f @ b.T if p_step else b @ f.T)
         flat = torch.cat([f.reshape(-1) for f in local])
         yield [comm.all_reduce(flat)]
         flat.div_(world)
