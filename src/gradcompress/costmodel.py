@@ -17,7 +17,7 @@ What each scheme sends (:func:`wire_bytes`, byte for byte what ``Compressor.stat
 counts for ours): ``ddp`` one all-reduce of the float32 bucket per DDP bucket;
 ``torch-fp16`` the same in float16; ``torch-powersgd`` (one bucket) P and Q all-reduced
 in two rounds, the vectors and the matrices not worth compressing all-reduced dense;
-ours per DDP bucket: the dense small tensors (plus a 4-byte finiteness flag) all-reduced,
+ours per DDP bucket (codec `none`: one plain all-reduce, as DDP): the dense small tensors (plus a 4-byte finiteness flag) all-reduced,
 the others by the codec's aggregation: ``SUM`` one all-reduce of the payloads, ``GATHER``
 one all-gather, ``REQUANTIZE`` the two-step reduce of per-rank chunks, ``LOWRANK``
 (PowerSGD) all-reduces of P then Q.
@@ -295,6 +295,8 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
         sent1 = allreduce_bytes(FLOAT_BYTES * dense, W) + allreduce_bytes(FLOAT_BYTES * ps, W)
         return [("allreduce", b1, sent1), ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
     codec = scheme.codec
+    if codec.name == "none":  # exact and stateless: the Compressor sends it as DDP does
+        return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
     comp = [i for i in bucket if _compressible(scheme, shapes[i])]
     dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
     dense_bytes = FLOAT_BYTES * (dense + 1)  # + the finiteness flag
@@ -394,6 +396,8 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     ef = 1 if error_feedback else 0
     if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone; M Q | M^T P | P Q^T, error, copy back
         return [{"ew": 3, "enc": 0.5}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
+    if scheme.codec.name == "none":  # a plain all-reduce and a divide, as DDP's default hook
+        return [{"ew": 1}, {}]
     agg = scheme.codec.aggregation.value
     # hook, every codec: input (x + residual, or a clone), the finiteness flag's sum; residual = x - delivered
     base = {"ew": 2 + ef}
