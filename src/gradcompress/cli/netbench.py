@@ -52,7 +52,7 @@ import threading
 import time
 
 from .demo import positive_int, split_schemes
-from .task import CLIError
+from .task import CLIError, human_bytes
 
 MODELS = ("mlp", "cnn", "tiny")
 PORT = 29500
@@ -428,25 +428,15 @@ def _effective_bandwidth(records: list[dict], workers: int) -> float | None:
     return 2 * (workers - 1) / workers * 8 * 2**20 / t if t > 0 else None
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def format_table(result: dict) -> str:
     head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
             "buckets")
     rows = [head]
     for r in result["schemes"]:
-        wire = _human(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
+        wire = human_bytes(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
         rows.append((r["scheme"], f"{1e3 * r['median_step_s']:.1f}",
                      "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-                     _human(r["iface_tx_bytes_per_step"]), wire,
+                     human_bytes(r["iface_tx_bytes_per_step"]), wire,
                      "n/a" if r["iface_over_wire"] is None else f"{r['iface_over_wire']:.3f}",
                      "-" if r["codec_s_per_step"] is None else f"{1e3 * r['codec_s_per_step']:.1f}",
                      "-" if r.get("wait_s_per_step") is None else f"{1e3 * r['wait_s_per_step']:.1f}",
@@ -460,7 +450,7 @@ def format_table(result: dict) -> str:
              f"{1e3 * result['compute_solo_s']:.1f} ms, x{result['contention']:.2f}), DDP with a hook that "
              f"sends nothing {1e3 * result['ddp_floor_s']:.1f} ms/step; 4-byte all-reduce "
              f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
-             f"{_human(result['allreduce_payload_bandwidth'])}/s payload per host"]
+             f"{human_bytes(result['allreduce_payload_bandwidth'])}/s payload per host"]
     for k, row in enumerate(rows):
         lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         if k == 0:

@@ -33,7 +33,7 @@ import sys
 import time
 
 from .demo import positive_float, positive_int, split_schemes
-from .task import CLIError
+from .task import CLIError, human_bytes
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048
@@ -362,7 +362,7 @@ def format_table(result: dict) -> str:
     head = ("scheme", "sent/step", "comm ms", "codec ms", "step ms", "speed-up", "verdict")
     rows = [head]
     for p in result["predictions"]:
-        rows.append((p["scheme"], _human(p["wire_bytes"]), f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}",
+        rows.append((p["scheme"], human_bytes(p["wire_bytes"]), f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}",
                      f"{1e3 * p['step_s']:.1f}", "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x",
                      verdict(p["speedup"]) if p["scheme"] != "ddp" else "baseline"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -385,11 +385,3 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
