@@ -106,7 +106,7 @@ class Compressor:
         self._checked = False
         self._key_of: dict[int, int] = {}
         self._inflight: list = []
-        self._pending: list[tuple[dict, int, torch.Tensor]] = []
+        self._pending: dict[tuple[str, int], torch.Tensor] = {}  # (state name, key) -> value, until _end
         self._bad: list[torch.Tensor] = []
         self._totals = {"steps": 0, "raw_bytes": 0, "codec_seconds": 0.0}
 
@@ -228,14 +228,14 @@ class Compressor:
         """Commit the step's state changes unless some rank's gradient was non-finite."""
         finite = not self._bad or bool(torch.isfinite(torch.cat(self._bad)).all())
         if finite:
-            for store, key, value in self._pending:
-                store[key] = value
-        self._pending, self._bad = [], []
+            for (name, key), value in self._pending.items():
+                getattr(self, name)[key] = value
+        self._pending, self._bad = {}, []
         self.step += 1
         self._totals["steps"] += 1
 
     def _abort(self) -> None:
-        self._pending, self._bad, self._inflight = [], [], []
+        self._pending, self._bad, self._inflight = {}, [], []
 
     # ------------------------------------------------------------------ one group
     def _group_job(self, keys: list[int], grads: list[torch.Tensor], buffer: torch.Tensor | None) -> exchange.Job:
@@ -298,7 +298,7 @@ class Compressor:
         """DGC momentum correction: u = momentum * u + g (the optimizer then runs without momentum)."""
         u = self.momentum.get(key)
         u = x.clone() if u is None else u * codec.momentum + x
-        self._pending.append((self.momentum, key, u))
+        self._pending["momentum", key] = u
         return u
 
     def _delivered(self, codec: Codec, key: int, x: torch.Tensor, delivered) -> None:
@@ -312,11 +312,10 @@ class Compressor:
             return
         delivered = delivered()
         if self.error_feedback:
-            self._pending.append((self.residual, key, (x - delivered.view(x.shape)).float()))
+            self._pending["residual", key] = (x - delivered.view(x.shape)).float()
         if masking:
-            for i, (store, k, u) in enumerate(self._pending):
-                if store is self.momentum and k == key:
-                    self._pending[i] = (store, k, u.masked_fill(delivered.view(u.shape) != 0, 0))
+            u = self._pending["momentum", key]
+            self._pending["momentum", key] = u.masked_fill(delivered.view(u.shape) != 0, 0)
 
     def _seed(self, key: int, codec: Codec, salt: int = 0) -> int:
         rank = 0 if codec.shared_seed else self._comm.rank
@@ -401,7 +400,7 @@ class Compressor:
             q_flat.div_(world)
             for k, p, q, out in zip(keys, p_hat, _split(q_flat, [q.shape for q in q_local]), outs):
                 torch.matmul(p, q.T, out=out.view(p.shape[0], q.shape[0]))
-                self._pending.append((self.q, k, q.clone()))
+                self._pending["q", k] = q.clone()
             return
         p_step = self.step % 2 == 0
         bases = [self._basis(self.q if p_step else self.p, k, m.shape[1] if p_step else m.shape[0], r, codec, dev,
@@ -415,10 +414,10 @@ class Compressor:
         for k, b, f, out in zip(keys, bases, _split(flat, [f.shape for f in local]), outs):
             if p_step:
                 torch.matmul(f, b.T, out=out.view(f.shape[0], b.shape[0]))
-                self._pending.append((self.p, k, orthonormalize_(f.clone())))
+                self._pending["p", k] = orthonormalize_(f.clone())
             else:
                 torch.matmul(b, f.T, out=out.view(b.shape[0], f.shape[0]))
-                self._pending.append((self.q, k, orthonormalize_(f.clone())))
+                self._pending["q", k] = orthonormalize_(f.clone())
 
 
 def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
