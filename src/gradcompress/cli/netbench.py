@@ -491,6 +491,22 @@ def _read_tx(ifname: str) -> int:
         return int(f.read())
 
 
+def _median_step(name, net, opt, x, y, steps: int = 7, skip: int = 2) -> float:
+    """Median time of a training step taken by every rank in lockstep (barrier before each), after ``skip``."""
+    import torch.distributed as dist
+
+    times = []
+    for k in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        _loss(name, net(x), y).backward()
+        opt.step()
+        if k >= skip:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _worker(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -512,16 +528,7 @@ def _worker(cfg: dict) -> None:
     # compute alone: every worker at once, in lockstep, no communication
     model = build_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for k in range(7):
-        dist.barrier()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        _loss(name, model(x), y).backward()
-        opt.step()
-        if k >= 2:
-            times.append(time.perf_counter() - start)
-    compute_s = statistics.median(times)
+    compute_s = _median_step(name, model, opt, x, y)
     # the same on rank 0 alone (the others wait in a barrier): compute_s / solo_s is the slowdown that
     # sharing the CPU cores costs (plan --contention)
     times = []
@@ -543,16 +550,7 @@ def _worker(cfg: dict) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, _no_communication_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for k in range(7):
-        dist.barrier()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        _loss(name, ddp(x), y).backward()
-        opt.step()
-        if k >= 2:
-            times.append(time.perf_counter() - start)
-    ddp_floor_s = statistics.median(times)
+    ddp_floor_s = _median_step(name, ddp, opt, x, y)
     del ddp, model, opt
 
     # the network as gloo sees it: a 4-byte all-reduce (2(W-1) message steps) and an 8 MB one

@@ -32,21 +32,14 @@ import statistics
 import sys
 import time
 
-from .demo import positive_float, positive_int, split_schemes
+from .demo import _checked, positive_float, positive_int, split_schemes
 from .task import CLIError, human_bytes
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_nonnegative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
