@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import gradcompress
 from gradcompress.codecs.lowrank import initial_q, orthonormalize_
-from gradcompress.compressor import mix_seed
+from gradcompress.step import mix_seed
 
 
 def powersgd_low_rank(rank, world, r, steps=3):

@@ -7,7 +7,8 @@ import torch
 
 import algo_workers
 from gradcompress import launch, make
-from gradcompress.schedule import DGC_STAGES, codec_at, dgc_density, ramp_rank, ramp_ratio
+from gradcompress.codecs.sparse import DGC_STAGES, dgc_density
+from gradcompress.schedule import codec_at, ramp_rank, ramp_ratio
 
 TIMEOUT = 180
 
@@ -78,10 +79,34 @@ def test_error_feedback_with_unbiased_codec_warns(spec):
     from gradcompress import Compressor
 
     with pytest.warns(UserWarning, match="error feedback"):
-        Compressor(spec)
+        Compressor(spec, error_feedback=True)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert Compressor(spec).error_feedback is False  # the default ("auto") resolves off, silently
         Compressor(spec, error_feedback=False)
         Compressor("topk:ratio=0.01")
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("topk:ratio=0.01", True), ("sign", True), ("int4", True), ("int8", True), ("powersgd:rank=2", True),
+    ("dgc:ratio=0.01", True), ("threshold", True), ("randomk:ratio=0.1", True),
+    ("terngrad", False), ("qsgd", False), ("qsgd:levels=4", False), ("int8:stochastic=true", False),
+    ("randomk:ratio=0.1,scale=true", False), ("none", False), ("fp16", False), ("bf16", False),
+])
+def test_error_feedback_auto_follows_the_codecs_bias(spec, expected):
+    from gradcompress import Compressor
+
+    comp = Compressor(spec)
+    assert comp.error_feedback is expected
+    assert Compressor(spec, error_feedback="auto").error_feedback is expected
+    assert Compressor(spec, error_feedback=not expected).error_feedback is (not expected)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_error_feedback_rejects_other_values(bad):
+    from gradcompress import Compressor
+
+    with pytest.raises(ValueError, match="error_feedback must be True, False or 'auto'"):
+        Compressor("int8", error_feedback=bad)

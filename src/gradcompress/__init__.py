@@ -4,11 +4,11 @@ Public names: :func:`make`, :func:`available`, :class:`Codec`, :class:`Payload`,
 :class:`Compressor`, :func:`register_ddp_hook` and the :mod:`gradcompress.optim` package.
 """
 
-from . import optim
 from .codecs import Aggregation, Codec, Payload
 from .compressor import Compressor
-from .ddp import register_ddp_hook
+from .adapters.ddp import register_ddp_hook
 from .spec import available, make
+from . import optim
 
 __all__ = ["Aggregation", "Codec", "Compressor", "Payload", "available", "make", "optim", "register_ddp_hook"]
 __version__ = "0.1.0"

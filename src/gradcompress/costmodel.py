@@ -44,6 +44,8 @@ import math
 import re
 from typing import Sequence
 
+from .exchange import chunk_numel
+
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
                    "topk:ratio=0.01", "powersgd:rank=1", "powersgd:rank=4")
@@ -183,40 +185,7 @@ def payload_bytes(codec, numel: int, shape: Sequence[int] | None = None) -> int:
     (data-dependent) raises ``ValueError``.
     """
     n = int(numel)
-    name = codec.name
-    if n == 0:
-        return 0
-    if name == "none":
-        return FLOAT_BYTES * n
-    if name in ("fp16", "bf16"):
-        return 2 * n
-    if name in ("int8", "int4", "sign", "terngrad", "qsgd"):
-        scales = FLOAT_BYTES * _ceil_div(n, codec.bucket)
-        if name == "qsgd" and codec.bits > 8:
-            return 2 * n + scales
-        bits = {"int8": 8, "int4": 4, "sign": 1, "terngrad": 2}.get(name) or codec.bits
-        return _ceil_div(n * bits, 8) + scales
-    if name in ("topk", "dgc"):
-        k = min(n, max(1, math.ceil(codec.ratio * n)))
-        values = FLOAT_BYTES * k if codec.values is None else payload_bytes(codec.values, k)
-        return values + 4 * k
-    if name == "randomk":
-        return FLOAT_BYTES * min(n, max(1, math.ceil(codec.ratio * n)))
-    if name == "powersgd":
-        nm = codec.matrix_shape(tuple(shape)) if shape is not None else None
-        if nm is None:
-            return FLOAT_BYTES * n
-        r = min(codec.rank, *nm)
-        return FLOAT_BYTES * (nm[0] + nm[1]) * r
-    if name == "threshold":
-        raise ValueError("threshold's payload size depends on the data; the model cannot predict it")
-    return int(codec.wire_nbytes(n))
-
-
-def chunk_numel(numel: int, workers: int, block: int = 8) -> int:
-    """Elements per chunk in the two-step reduce (mirrors ``exchange.chunk_numel``)."""
-    per = -(-numel // workers)
-    return -(-per // block) * block
+    return codec.payload_nbytes(n, tuple(shape) if shape is not None else None) if n else 0
 
 
 def ddp_buckets(nbytes: Sequence[int], cap: int = DDP_BUCKET_BYTES,
@@ -262,7 +231,7 @@ def _compressible(scheme: Scheme, shape: Sequence[int], min_numel: int = MIN_NUM
     codec = scheme.codec
     if numel_of(shape) < min_numel:
         return False
-    if codec.name == "powersgd" and codec.matrix_shape(tuple(shape)) is None:
+    if codec.aggregation.value == "lowrank" and codec.matrix_shape(tuple(shape)) is None:
         return False
     return True
 
@@ -295,7 +264,7 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
         sent1 = allreduce_bytes(FLOAT_BYTES * dense, W) + allreduce_bytes(FLOAT_BYTES * ps, W)
         return [("allreduce", b1, sent1), ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
     codec = scheme.codec
-    if codec.name == "none":  # exact and stateless: the Compressor sends it as DDP does
+    if codec.exact:  # exact and stateless: the Compressor sends it as DDP does
         return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
     comp = [i for i in bucket if _compressible(scheme, shapes[i])]
     dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
@@ -396,7 +365,7 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     ef = 1 if error_feedback else 0
     if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone; M Q | M^T P | P Q^T, error, copy back
         return [{"ew": 3, "enc": 0.5}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
-    if scheme.codec.name == "none":  # a plain all-reduce and a divide, as DDP's default hook
+    if scheme.codec.exact:  # a plain all-reduce and a divide, as DDP's default hook
         return [{"ew": 1}, {}]
     agg = scheme.codec.aggregation.value
     # hook, every codec: input (x + residual, or a clone), the finiteness flag's sum; residual = x - delivered
@@ -548,17 +517,11 @@ def with_speedups(preds: list[Prediction]) -> list[Prediction]:
 
 
 def default_error_feedback(scheme: Scheme) -> bool:
-    """Whether netbench runs the scheme with error feedback (biased codecs; see ``cli.task``)."""
+    """Whether the scheme runs with error feedback by default: ours as ``Compressor(error_feedback="auto")``
+    resolves it (the codec's ``wants_error_feedback``); PyTorch's PowerSGD hook always."""
     if scheme.kind != "ours":
         return scheme.kind == "torch-powersgd"
-    c = scheme.codec
-    if c.name in ("none", "qsgd", "terngrad"):
-        return False
-    if c.name in ("int8", "int4") and c.stochastic:
-        return False
-    if c.name == "randomk" and c.scale:
-        return False
-    return True
+    return scheme.codec.wants_error_feedback
 
 
 def square_shapes(params: int, side: int = 2048) -> list[tuple[int, ...]]:

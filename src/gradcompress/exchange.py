@@ -93,6 +93,50 @@ class Collectives:
             w.wait()
         self.comm_seconds += time.perf_counter() - start
 
+    def check_same(self, text: str, who: str) -> None:
+        """Raise on every rank unless every rank passes the same ``text`` (a configuration)."""
+        texts: list = [None] * self.world
+        dist.all_gather_object(texts, text, group=self.group)
+        if len(set(texts)) > 1:
+            lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(texts))
+            raise RuntimeError(f"{who}: ranks are configured differently, refusing to mix formats: {lines}")
+
+
+class Done:
+    """A completed work handle."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class LocalCollectives(Collectives):
+    """:class:`Collectives` without communication, as if every one of ``world`` ranks held the same
+    tensors: an all-reduce multiplies by ``world``, an all-gather repeats, an all-to-all copies.
+
+    ``world=1`` is a single process (nothing sent, nothing counted); larger worlds stand in for a
+    group in ``plan``'s calibration, to time the Python and codec work of a step alone.
+    """
+
+    def __init__(self, world: int = 1):  # noqa: D107 - no process group, deliberately not Collectives.__init__
+        self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
+
+    def all_reduce(self, t):
+        if self.world != 1:
+            t.mul_(self.world)
+        return Done()
+
+    def all_gather(self, t):
+        return [t.clone() for _ in range(self.world)], Done()
+
+    def all_to_all(self, t):
+        return t.clone(), Done()
+
+    def wait(self, works) -> None:
+        pass
+
+    def check_same(self, text: str, who: str) -> None:
+        pass
+
 
 def drive(jobs: list[Job], comm: Collectives) -> None:
     """Run jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
@@ -111,6 +155,22 @@ def drive(jobs: list[Job], comm: Collectives) -> None:
             except StopIteration:
                 pass
         pending = still
+
+
+def parallel(jobs: list[Job]) -> Job:
+    """Run several jobs side by side as one: each round issues the next collectives of all of them."""
+    active = list(jobs)
+    while active:
+        works, still = [], []
+        for job in active:
+            try:
+                works.extend(next(job))
+                still.append(job)
+            except StopIteration:
+                pass
+        if works:
+            yield works
+        active = still
 
 
 def start(job: Job) -> Job:
@@ -197,7 +257,11 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
         out.div_(comm.world)
 
 
-def chunk_numel(numel: int, world: int, block: int) -> int:
+#: elements per chunk of the two-step reduce are a multiple of this (whole packed bytes for 1-bit codes)
+CHUNK_BLOCK = 8
+
+
+def chunk_numel(numel: int, world: int, block: int = CHUNK_BLOCK) -> int:
     """Elements per rank's chunk in the two-step reduce: ceil(numel / world) rounded up to ``block``."""
     per = -(-numel // world)
     return -(-per // block) * block
@@ -256,7 +320,7 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
             out.copy_(flat.view(out.shape))
 
 
-def split_chunks(flat: torch.Tensor, world: int, block: int) -> list[torch.Tensor]:
+def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> list[torch.Tensor]:
     """``flat`` zero-padded to ``world`` equal chunks of :func:`chunk_numel` elements."""
     per = chunk_numel(flat.numel(), world, block)
     if per * world != flat.numel():
@@ -264,5 +328,6 @@ def split_chunks(flat: torch.Tensor, world: int, block: int) -> list[torch.Tenso
     return list(flat.view(world, per))
 
 
-__all__ = ["Aggregation", "Collectives", "drive", "start", "dense_mean", "sum_mean", "gather_mean",
-           "two_step_mean", "split_chunks", "chunk_numel", "to_bytes", "from_bytes"]
+__all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "drive", "parallel", "start",
+           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "split_chunks", "chunk_numel", "to_bytes",
+           "from_bytes"]

@@ -5,8 +5,8 @@
 * ``schedule="exp"`` over ``ramp_steps``: after the warm-up, codecs with a ``ratio``
   (topk, randomk, dgc) start dense-ish and tighten exponentially, ratio_t = ratio^(t/T);
   codecs with a ``rank`` (powersgd) start at 8x the rank and come down exponentially.
-* DGC's own ``warmup_steps`` (Lin et al. 2018, sparsity warm-up): the density goes
-  25% -> 6.25% -> 1.56% -> 0.39% -> ratio in four equal stages (never below ``ratio``).
+* a codec's own schedule (:meth:`Codec.at_step`, e.g. DGC's sparsity warm-up) applies
+  on top: the denser of the two wins.
 """
 
 from __future__ import annotations
@@ -17,15 +17,6 @@ import math
 from .codecs.base import Codec
 
 SCHEDULES = (None, "exp")
-DGC_STAGES = (0.25, 0.0625, 0.015625, 0.00390625)
-
-
-def dgc_density(step: int, warmup_steps: int, ratio: float) -> float:
-    """DGC's sparsity warm-up: the density at ``step`` (counted from the end of the dense warm-up)."""
-    if step >= warmup_steps or warmup_steps <= 0:
-        return ratio
-    stage = min(len(DGC_STAGES) - 1, step * len(DGC_STAGES) // warmup_steps)
-    return max(ratio, DGC_STAGES[stage])
 
 
 def ramp_ratio(step: int, ramp_steps: int, ratio: float) -> float:
@@ -47,14 +38,13 @@ def codec_at(codec: Codec, step: int, warmup_steps: int, schedule: str | None, r
     if step < warmup_steps:
         return None
     t = step - warmup_steps
+    own = codec.at_step(t)
     changes = {}
     if schedule == "exp" and ramp_steps > 0:
         if hasattr(codec, "ratio"):
-            changes["ratio"] = ramp_ratio(t, ramp_steps, codec.ratio)
+            changes["ratio"] = max(own.ratio, ramp_ratio(t, ramp_steps, codec.ratio))
         if hasattr(codec, "rank"):
             changes["rank"] = ramp_rank(t, ramp_steps, codec.rank)
-    if codec.name == "dgc" and codec.warmup_steps > 0:
-        changes["ratio"] = max(changes.get("ratio", 0.0), dgc_density(t, codec.warmup_steps, codec.ratio))
-    changes = {k: v for k, v in changes.items() if not (isinstance(v, float) and math.isclose(v, getattr(codec, k)))
-               and v != getattr(codec, k)}
-    return dataclasses.replace(codec, **changes) if changes else codec
+    changes = {k: v for k, v in changes.items() if not (isinstance(v, float) and math.isclose(v, getattr(own, k)))
+               and v != getattr(own, k)}
+    return dataclasses.replace(own, **changes) if changes else own

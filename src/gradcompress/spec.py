@@ -33,13 +33,14 @@ def register(name: str) -> Callable[[type], type]:
 
 
 def available() -> list[str]:
-    """Every registered codec name, sorted."""
-    _load_codecs()
+    """Every registered codec name, sorted (the codec families register themselves when
+    :mod:`gradcompress.codecs` is imported, which importing :mod:`gradcompress` does)."""
     return sorted(_REGISTRY)
 
 
-def _load_codecs() -> None:
-    from . import codecs  # noqa: F401  (registers every codec family)
+def is_codec(obj: Any) -> bool:
+    """True for a codec object (anything with ``encode``, ``decode`` and an ``aggregation``)."""
+    return not isinstance(obj, (str, dict, type)) and all(hasattr(obj, a) for a in ("encode", "decode", "aggregation"))
 
 
 # --------------------------------------------------------------------------- options
@@ -160,10 +161,7 @@ def parse(spec: str) -> dict[str, Any]:
 
 def make(spec: "str | dict | Any") -> Any:
     """Build a codec from a spec string, a dict ``{"name": ..., **options}`` or a codec (returned as is)."""
-    _load_codecs()
-    from .codecs.base import Codec
-
-    if isinstance(spec, Codec):
+    if is_codec(spec):
         return spec
     if isinstance(spec, dict):
         options = dict(spec)
@@ -182,7 +180,7 @@ def make(spec: "str | dict | Any") -> Any:
             raise ValueError(f"{name}: unknown option {key!r}; options of {name}: {allowed}")
     for key, f in fields.items():
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        if key in options and "Codec" in kind and not isinstance(options[key], Codec) and options[key] is not None:
+        if key in options and "Codec" in kind and not is_codec(options[key]) and options[key] is not None:
             nested = options[key]
             if isinstance(nested, (str, dict)):
                 options[key] = make(nested)

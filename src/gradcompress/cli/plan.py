@@ -139,43 +139,19 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
         torch.set_num_threads(old)
 
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-class _LocalCollectives:
-    """Stands in for ``exchange.Collectives`` in the calibration: no communication, results as if every rank
-    held the same tensor (an all-reduce multiplies by W, an all-gather repeats, an all-to-all copies)."""
-
-    def __init__(self, world: int):
-        self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
-
-    def all_reduce(self, t):
-        t.mul_(self.world)
-        return _Done()
-
-    def all_gather(self, t):
-        return [t.clone() for _ in range(self.world)], _Done()
-
-    def all_to_all(self, t):
-        return t.clone(), _Done()
-
-    def wait(self, works) -> None:
-        pass
-
-
 def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1, steps: int = 4) -> dict:
     """Seconds per compressed element of each phase of our Compressor's exchange (the hook's work, then the
     work after each round), measured on the model's own tensors (``shapes``) grouped in its DDP buckets,
     with the collectives replaced by local stand-ins: the fastest of ``steps - 1`` steps (after one
     without a residual), summed over the buckets, divided by the elements compressed. Keys:
-    ``costmodel.phase_key(codec, workers)``. Relies on the Compressor's internals (``_comm``,
-    ``_group_job``); a codec whose run fails is left out (pass counts are used)."""
+    ``costmodel.phase_key(codec, workers)``. Drives the Compressor's public step protocol with
+    :class:`gradcompress.exchange.LocalCollectives`; a codec whose run fails is left out (pass counts
+    are used)."""
     import torch
 
     import gradcompress
     from .. import costmodel as cm
+    from .. import exchange
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -190,18 +166,15 @@ def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1,
             scheme = cm.Scheme(codec.spec, "ours", codec)
             buckets = cm.buckets_for(scheme, shapes)
             try:
-                comp = gradcompress.Compressor(codec, warmup_steps=0, seed=0,
-                                               error_feedback=cm.default_error_feedback(scheme))
-                comp.index_parameters([])
-                comp._comm, comp._checked = _LocalCollectives(workers), True
+                comp = gradcompress.Compressor(codec, warmup_steps=0, seed=0)
+                local = exchange.LocalCollectives(workers)
                 runs = []
                 for _ in range(steps):
                     per_bucket = []
+                    step = comp.begin_step(local)
                     for bucket in buckets:
                         gs = [grads[i].clone() for i in bucket]
-                        if not per_bucket:
-                            comp._begin()
-                        job = comp._group_job(list(bucket), gs, None)
+                        job = step.exchange(list(bucket), gs)
                         phases, start = [], time.perf_counter()
                         while True:
                             try:
@@ -212,7 +185,7 @@ def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1,
                             phases.append(time.perf_counter() - start)
                             start = time.perf_counter()
                         per_bucket.append(phases)
-                    comp._end()
+                    step.end()
                     longest = max(len(p) for p in per_bucket)
                     runs.append([sum(p[k] for p in per_bucket if len(p) == longest) for k in range(longest)])
                 n = sum(cm.numel_of(shapes[i]) for b in buckets for i in b if cm._compressible(scheme, shapes[i]))

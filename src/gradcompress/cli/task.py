@@ -44,9 +44,18 @@ class CLIError(Exception):
 
 
 # --------------------------------------------------------------------------- configuration
+#: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
+COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps")
+
+
 @dataclasses.dataclass
 class RunConfig:
-    """One training run. ``lr=None`` picks the default for the scheme's optimiser."""
+    """One training run. ``lr=None`` picks the default for the scheme's optimiser.
+
+    ``scheme`` is a codec spec whose options may also set the Compressor's
+    :data:`COMPRESSOR_OPTIONS` (``sign:momentum=0.9`` is the sign codec with momentum
+    correction); everything not set there is the library's default.
+    """
 
     scheme: str = "none"
     steps: int = 300
@@ -54,19 +63,32 @@ class RunConfig:
     lr: float | None = None
     momentum: float = 0.9
     warmup_steps: int = 5
-    error_feedback: bool | None = None
+    error_feedback: bool | str = "auto"
+    min_numel: int = 1024
     seed: int = 0
     hidden: int = 256
     progress_every: int = 5
 
-    def __post_init__(self) -> None:
-        if self.error_feedback is None:
-            self.error_feedback = default_error_feedback(self.scheme)
-
     def kind(self) -> str:
-        """``"onebitadam"``, ``"dgc"`` (plain SGD) or ``"sgd"`` (SGD with momentum)."""
-        name = scheme_name(self.scheme)
-        return name if name in (ONEBITADAM, "dgc") else "sgd"
+        """``"onebitadam"`` or ``"sgd"``."""
+        return ONEBITADAM if scheme_name(self.scheme) == ONEBITADAM else "sgd"
+
+    def compressor(self):
+        """The :class:`gradcompress.Compressor` arguments of this run: (codec, options)."""
+        codec, options = split_scheme(self.scheme)
+        options.setdefault("error_feedback", self.error_feedback)
+        options.setdefault("min_numel", self.min_numel)
+        return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed)
+
+    def momentum_corrected(self) -> bool:
+        """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
+        if self.kind() == ONEBITADAM:
+            return False
+        codec, options = self.compressor()
+        return options.get("momentum", 0) > 0 or (codec.carries_momentum and codec.momentum > 0)
+
+    def optimizer_momentum(self) -> float:
+        return 0.0 if self.momentum_corrected() else self.momentum
 
     def onebitadam_options(self) -> dict:
         from ..spec import parse
@@ -75,12 +97,6 @@ class RunConfig:
         opts.pop("name")
         opts.setdefault("lr", self.lr if self.lr is not None else 1e-3)
         opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
-        # eps 1e-4 rather than Adam's 1e-8: this task has coordinates whose gradient is exactly
-        # zero through the warm-up (weights of the 4 constant pixels, dead ReLU units), so their
-        # frozen variance is 0; after the warm-up the 1-bit momentum gives them +-scale (sign(0)
-        # decodes to +scale) and the update lr * scale / eps blows the loss up (to ~350 at
-        # eps=1e-8, a few steps after the freeze); eps=1e-4 bounds it (97.3 % instead of 96.2 %).
-        opts.setdefault("eps", 1e-4)
         return opts
 
     def learning_rate(self) -> float:
@@ -89,12 +105,12 @@ class RunConfig:
         return self.lr if self.lr is not None else 0.05
 
     def optimizer_text(self) -> str:
-        kind = self.kind()
-        if kind == ONEBITADAM:
+        if self.kind() == ONEBITADAM:
             o = self.onebitadam_options()
-            return f"OneBitAdam(lr={o['lr']:g}, eps={o['eps']:g}, warmup_steps={o['warmup_steps']})"
-        if kind == "dgc":
-            return f"SGD(lr={self.learning_rate():g}, momentum=0; DGC momentum correction)"
+            extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay") if k in o)
+            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra})"
+        if self.momentum_corrected():
+            return f"SGD(lr={self.learning_rate():g}, momentum=0; momentum correction in the compressor)"
         return f"SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
 
 
@@ -102,20 +118,25 @@ def scheme_name(scheme: str) -> str:
     return scheme.strip().partition(":")[0].strip()
 
 
-def default_error_feedback(scheme: str) -> bool:
-    """Error feedback for biased codecs, not for unbiased stochastic ones.
+def split_scheme(scheme: str):
+    """``"sign:bucket=256,momentum=0.9"`` -> (the sign codec with bucket 256, ``{"momentum": 0.9}``).
 
-    Error feedback needs a contractive compressor (||C(x) - x|| < ||x||). Unbiased
-    stochastic quantisers (``qsgd``, ``terngrad``, ``int8``/``int4`` with
-    ``stochastic=true``) and rescaled ``randomk:scale=true`` have a variance larger than
-    ||x||^2, so their residual would grow without bound; they are used without it.
+    Options the codec has go to the codec (``dgc:momentum=...`` is DGC's own); the others,
+    if they are :data:`COMPRESSOR_OPTIONS`, to the Compressor. ``ValueError`` otherwise.
     """
-    if scheme_name(scheme) == ONEBITADAM:
-        return False
-    import gradcompress
+    import dataclasses as dc
 
-    codec = gradcompress.make(scheme)
-    return codec.name != "none" and not codec.unbiased  # none: nothing to feed back
+    import gradcompress
+    from ..spec import parse
+
+    opts = parse(scheme)
+    name = opts.pop("name")
+    codec_fields = {f.name for f in dc.fields(gradcompress.make(name)) if f.init}
+    compressor = {k: opts.pop(k) for k in list(opts) if k not in codec_fields and k in COMPRESSOR_OPTIONS}
+    codec = gradcompress.make({"name": name, **opts})
+    if "error_feedback" in compressor and compressor["error_feedback"] not in (True, False, "auto"):
+        raise ValueError(f"error_feedback must be true, false or auto, got {compressor['error_feedback']!r}")
+    return codec, compressor
 
 
 def check_scheme(scheme: str) -> str:
@@ -141,13 +162,15 @@ def check_scheme(scheme: str) -> str:
                 raise CLIError(f"onebitadam: {k} must be a number, got {v!r}")
         return scheme.strip()
     try:
-        codec = gradcompress.make(scheme)
+        codec, options = split_scheme(scheme)
+        gradcompress.Compressor(codec, **options)  # checks the Compressor's options too
     except (ValueError, TypeError) as err:
         msg = _one_line(err)
         if "unknown codec" in msg:
             msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
         raise CLIError(msg) from None
-    return codec.spec
+    extra = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+    return codec.spec + ((":" if ":" not in codec.spec else ",") + extra if extra else "")
 
 
 def onebitadam_problem() -> str | None:
@@ -253,10 +276,9 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        comp = gradcompress.register_ddp_hook(net, cfg.scheme, warmup_steps=cfg.warmup_steps,
-                                              error_feedback=cfg.error_feedback, seed=cfg.seed)
-        momentum = 0.0 if kind == "dgc" else cfg.momentum
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=momentum)
+        codec, options = cfg.compressor()
+        comp = gradcompress.register_ddp_hook(net, codec, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
         stats_of = comp.stats
 
     losses, cum_bytes, step_times = [], [], []
@@ -279,6 +301,8 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             progress.put((index, step + 1))
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
                               "step_seconds": step_times, "stats": stats_of()}
+    if kind != ONEBITADAM:
+        record["stats"]["error_feedback"] = comp.error_feedback
     if rank == 0:
         record["final_train_loss"], record["test_accuracy"] = evaluate(model, data)
     return record
@@ -329,7 +353,7 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "steps": steps,
         "batch_size": cfg.batch_size,
         "warmup_steps": w,
-        "error_feedback": cfg.error_feedback if cfg.kind() != ONEBITADAM else None,
+        "error_feedback": stats.get("error_feedback") if cfg.kind() != ONEBITADAM else None,
         "bytes_per_step": wire / steps if wire is not None and steps else None,
         "bytes_per_step_compressed": steady,
         "raw_bytes_per_step": stats["raw_bytes"] / steps if "raw_bytes" in stats and steps else None,

@@ -33,20 +33,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "  gradcompress train --codec onebitadam\n"
                "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --codec powersgd:rank=2")
     p.add_argument("--codec", required=True, metavar="SPEC",
-                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam")
+                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam; "
+                        "Compressor options may follow the codec's (sign:momentum=0.9 is sign with momentum "
+                        "correction, the optimizer then runs without momentum)")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam, whose eps defaults to 1e-4 "
-                        "here; set onebitadam:eps=... to change it)")
+                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam)")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="local worker processes when not under torchrun (default 2)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
                    help="dense steps before compression starts (default 5; onebitadam: its Adam warm-up, "
                         "default 20%% of the steps)")
     p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep the compression error and add it to the next gradient (default: on for biased "
-                        "codecs, off for unbiased stochastic ones: qsgd, terngrad, int8/int4 with "
-                        "stochastic=true, randomk with scale=true)")
+                   help="keep the compression error and add it to the next gradient (default: the library's "
+                        "'auto': on for biased codecs, off for none, fp16/bf16 and the unbiased ones: qsgd, "
+                        "terngrad, int8/int4 with stochastic=true, randomk with scale=true)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed (default 0)")
     p.add_argument("--out", default=None, help="folder for results.json (default: write nothing)")
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if scheme_name(scheme) == ONEBITADAM and args.warmup_steps is not None and "warmup_steps" not in scheme:
         scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
     cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                    warmup_steps=warmup, error_feedback=args.error_feedback, seed=args.seed)
+                    warmup_steps=warmup, seed=args.seed,
+                    error_feedback="auto" if args.error_feedback is None else args.error_feedback)
 
     if under_torchrun():
         records, world, rank = _run_torchrun(cfg)

@@ -113,6 +113,22 @@ class Codec:
     #: rounding, rescaled randomk) are not contractions: their error can exceed ||x||, so
     #: error feedback would accumulate it without bound; use them without it.
     unbiased = False
+    #: True when decode(encode(x)) == x exactly (``none``): no state, a plain all-reduce.
+    exact = False
+    #: True when the codec's options configure momentum correction (``momentum``,
+    #: ``masking``, ``clip``), which a Compressor applies as transforms (DGC).
+    carries_momentum = False
+
+    @property
+    def wants_error_feedback(self) -> bool:
+        """What ``error_feedback="auto"`` resolves to: on for biased lossy codecs, off for
+        exact ones and for unbiased ones (whose fed-back variance grows without bound)."""
+        return not (self.exact or self.unbiased)
+
+    def at_step(self, step: int) -> "Codec":
+        """The codec to use ``step`` compressed steps after the dense warm-up (its own schedule, e.g.
+        DGC's sparsity warm-up); ``self`` for codecs without one."""
+        return self
 
     def __post_init__(self) -> None:
         _spec.validate(self)
@@ -140,6 +156,12 @@ class Codec:
         """Bytes one encode of a tensor of ``numel`` elements sends (fixed-layout codecs)."""
         x = torch.zeros(numel, dtype=dtype)
         return self.encode(x, seed=0).nbytes
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        """Bytes one encode of a float32 tensor of ``numel`` elements (of ``shape``) sends, by arithmetic
+        (the cost model's; codec families override it with their formula, the default encodes zeros).
+        Raises ``ValueError`` for codecs whose size depends on the data."""
+        return self.wire_nbytes(numel) if numel else 0
 
     @property
     def spec(self) -> str:

@@ -74,6 +74,13 @@ class PowerSGD(Codec):
     def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
         return matrix_shape(shape, self.rank, self.min_compression_rate)
 
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        """(n + m) * r float32 factors for an n x m ``shape``; the dense tensor where it is not compressed."""
+        nm = self.matrix_shape(tuple(shape)) if shape is not None else None
+        if nm is None:
+            return 4 * numel
+        return 4 * (nm[0] + nm[1]) * min(self.rank, *nm)
+
     def encode(self, x: torch.Tensor, *, seed: int | None = None) -> Payload:
         check_input(x, self.name)
         seed = fresh_seed() if seed is None else seed

@@ -88,6 +88,12 @@ def uniform_noise(shape, seed: int, device) -> torch.Tensor:
     return torch.rand(shape, generator=generator(seed, device), device=device)
 
 
+def packed_nbytes(numel: int, bits: int, bucket: int) -> int:
+    """Bytes of ``numel`` codes of ``bits`` bits packed whole-byte (int16 above 8 bits) + a float32 per bucket."""
+    codes = 2 * numel if bits > 8 else -(-numel * bits // 8)
+    return codes + 4 * -(-numel // bucket)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Uniform(Codec):
     """Symmetric uniform quantiser with an abs-max scale per bucket."""
@@ -100,6 +106,9 @@ class _Uniform(Codec):
     @property
     def unbiased(self) -> bool:
         return self.stochastic
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return packed_nbytes(numel, self.bits, self.bucket)
 
     @property
     def qmax(self) -> int:
@@ -179,6 +188,9 @@ class QSGD(Codec):
     def bits(self) -> int:
         return max(1, math.ceil(math.log2(2 * self.levels + 1)))
 
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return packed_nbytes(numel, self.bits, self.bucket)
+
     def _encode(self, flat, seed):
         if self.bits <= 8 and _fast_ok(flat, self.bits, self.bucket):
             return fast.quantize(fast.as_float32(flat), self.bucket, fast.QSGD, self.bits, self.levels, seed)
@@ -217,6 +229,9 @@ class TernGrad(Codec):
     aggregation = Aggregation.REQUANTIZE
     stochastic = True
     unbiased = True
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return packed_nbytes(numel, 2, self.bucket)
 
     def _encode(self, flat, seed):
         if _fast_ok(flat, 2, self.bucket):

@@ -19,7 +19,7 @@ from ..packing import pack, unpack
 from ..spec import Range, option, register
 from . import fast
 from .base import Aggregation, Codec
-from .quantize import rescale, to_buckets
+from .quantize import packed_nbytes, rescale, to_buckets
 
 
 @register("sign")
@@ -27,6 +27,9 @@ from .quantize import rescale, to_buckets
 class Sign(Codec):
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
     aggregation = Aggregation.REQUANTIZE
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return packed_nbytes(numel, 1, self.bucket)
 
     def _encode(self, flat, seed):
         if self.bucket % 8 == 0 and fast.applies(flat):  # float32/16/bf16: flat >= 0 is the same after .float()

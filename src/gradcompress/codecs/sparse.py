@@ -29,6 +29,16 @@ from . import fast
 from .base import Aggregation, Codec, Payload, generator
 
 _RATIO = Range(0, 1, lo_open=True)
+#: DGC's sparsity warm-up densities, one per stage
+DGC_STAGES = (0.25, 0.0625, 0.015625, 0.00390625)
+
+
+def dgc_density(step: int, warmup_steps: int, ratio: float) -> float:
+    """DGC's sparsity warm-up: the density ``step`` steps after the dense warm-up."""
+    if step >= warmup_steps or warmup_steps <= 0:
+        return ratio
+    stage = min(len(DGC_STAGES) - 1, step * len(DGC_STAGES) // warmup_steps)
+    return max(ratio, DGC_STAGES[stage])
 
 
 def kept_count(ratio: float, n: int) -> int:
@@ -45,6 +55,15 @@ class _Sparse(Codec):
 
     def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        """k values (or the ``values`` codec's payload of k) + k int32 positions, k from ``ratio``
+        (``dgc``: its target k; it sends between k/2 and 2k)."""
+        if not hasattr(self, "ratio"):
+            raise ValueError(f"{self.name}'s payload size depends on the data; it cannot be predicted")
+        k = kept_count(self.ratio, numel) if numel else 0
+        values = 4 * k if self.values is None else self.values.payload_nbytes(k)
+        return values + 4 * k
 
     def _encode(self, flat, seed):
         idx = self._select(flat, seed)
@@ -112,6 +131,13 @@ class DGC(_Sparse):
     warmup_steps: int = option(0, range=Range(0, None), doc="sparsity warm-up steps (Compressor)")
     fixed_layout = False
     stochastic = True
+    carries_momentum = True
+
+    def at_step(self, step: int) -> "DGC":
+        """Sparsity warm-up (Lin et al. 2018): density 25% -> 6.25% -> 1.56% -> 0.39% -> ``ratio``
+        in four equal stages over ``warmup_steps`` (never below ``ratio``)."""
+        density = dgc_density(step, self.warmup_steps, self.ratio)
+        return self if density == self.ratio else dataclasses.replace(self, ratio=density)
 
     def _select(self, flat, seed):
         n = flat.numel()
@@ -156,6 +182,9 @@ class RandomK(Codec):
     @property
     def unbiased(self) -> bool:
         return self.scale
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return 4 * kept_count(self.ratio, numel) if numel else 0
 
     def positions(self, n: int, seed: int, device) -> torch.Tensor:
         k = kept_count(self.ratio, n)

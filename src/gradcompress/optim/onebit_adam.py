@@ -67,44 +67,17 @@ import torch
 import torch.distributed as dist
 
 from .. import exchange
+from ..compressor import Compressor
 from ..spec import make
 
 #: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
 CODEC_SPEC = "sign:bucket=512"
-#: each parameter's chunks in the two-step reduce are a multiple of this many elements (whole packed bytes)
-CHUNK_BLOCK = 8
+#: at the freeze, positive variances are lifted to at least (this x the tensor's mean sqrt(v))^2
+VARIANCE_FLOOR = 0.1
 #: parameter dtypes OneBitAdam accepts (the optimizer state is float32 for all of them)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: what each parameter's state holds (all float32 tensors)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
-
-
-# ------------------------------------------------------------------------ single process
-class _Done:
-    """A completed work handle."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _SingleProcess(exchange.Collectives):
-    """``Collectives`` for a world of one: the same interface, no ``torch.distributed``, nothing sent."""
-
-    def __init__(self):  # noqa: D107 - deliberately does not call Collectives.__init__ (no process group)
-        self.group = None
-        self.world = 1
-        self.rank = 0
-        self.wire_bytes = 0
-        self.comm_seconds = 0.0
-
-    def all_reduce(self, t):
-        return _Done()
-
-    def all_gather(self, t):
-        return [t.clone()], _Done()
-
-    def all_to_all(self, t):
-        return t.clone(), _Done()
 
 
 # ------------------------------------------------------------------------ validation
@@ -199,7 +172,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _init_runtime(self) -> None:
         self.codec = make(CODEC_SPEC)
-        self._comm: exchange.Collectives | None = None
+        self._compressor: Compressor | None = None
         self._checked = False
         self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
 
@@ -238,8 +211,8 @@ class OneBitAdam(torch.optim.Optimizer):
         process); ``ratio``: raw / wire; ``comm_seconds``: time waiting on collectives;
         ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update).
         """
-        wire = self._comm.wire_bytes if self._comm else 0
-        comm_s = self._comm.comm_seconds if self._comm else 0.0
+        exchanged = self._compressor.stats() if self._compressor else {"wire_bytes": 0, "comm_seconds": 0.0}
+        wire, comm_s = exchanged["wire_bytes"], exchanged["comm_seconds"]
         raw = self._counters["raw_bytes"]
         return {
             "steps": self._counters["steps"],
@@ -254,7 +227,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def bytes_sent(self) -> int:
         """``stats()["wire_bytes"]``: bytes this rank has transmitted so far."""
-        return self._comm.wire_bytes if self._comm else 0
+        return self._compressor.stats()["wire_bytes"] if self._compressor else 0
 
     def state_dict(self) -> dict:
         """``torch.optim.Optimizer``'s state dict, with copies of the state tensors (not live references)."""
@@ -293,71 +266,87 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        comm = self._collectives()
+        step = self._begin()
+        try:
+            loss = self._exchange_and_update(step, loss)
+        except BaseException:
+            step.abort()
+            raise
+        self._counters["seconds"] += time.perf_counter() - started
+        return loss
+
+    def _exchange_and_update(self, step, loss):
+        world = step.comm.world
         dense, comp = [], []
+        key = -1
         for group in self.param_groups:
             for p in group["params"]:
+                key += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("OneBitAdam does not support sparse gradients")
-                state = self._state_of(p, comm)
-                (dense if state["step"].item() < group["warmup_steps"] else comp).append((group, p, state))
+                state = self._state_of(p, world)
+                (dense if state["step"].item() < group["warmup_steps"] else comp).append((key, group, p, state))
         if not dense and not comp:
+            step.end()
             return loss
         self._counters["steps"] += 1
         self._counters["compressed_steps"] += bool(comp)
-        self._counters["raw_bytes"] += 4 * sum(p.numel() for _, p, _ in dense + comp)
+        self._counters["raw_bytes"] += 4 * sum(p.numel() for _, _, p, _ in dense + comp)
 
         jobs = []
         dense_flat = None
-        if dense:
-            dense_flat = torch.cat([p.grad.detach().reshape(-1).float() for _, p, _ in dense])
-            jobs.append(exchange.dense_mean(comm, dense_flat))
-        outs: list[torch.Tensor] = []
-        if comp:
-            job, outs, new_worker, new_server = self._compressed_job(comm, comp)
-            jobs.append(job)
-        exchange.drive(jobs, comm)
-
-        averaged = ([dense_flat] if dense_flat is not None else []) + outs
-        if not all(bool(torch.isfinite(t).all()) for t in averaged):
+        if dense:  # warm-up: the gradients, averaged dense
+            dense_flat = torch.cat([p.grad.detach().reshape(-1).float() for _, _, p, _ in dense])
+            jobs.append(step.exchange(["warmup"], [dense_flat], dense=True))
+        momenta = []
+        if comp:  # afterwards: the momenta, 1 bit each, with worker and server error feedback
+            store = self._compressor.state.slots
+            for key, group, p, state in comp:
+                store["residual"][key] = state["worker_error"]
+                store["server_residual"][key] = state["server_error"]
+                grad = self._local_grad(group, p, p.grad.detach().float())
+                momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
+            jobs.append(step.exchange([k for k, _, _, _ in comp], momenta))
+        step.drive(jobs)
+        if not step.end():  # some rank's gradient or momentum was non-finite: skip everywhere
             self._counters["skipped"] += 1
-            self._counters["seconds"] += time.perf_counter() - started
             return loss
 
         offset = 0
-        for group, p, state in dense:
+        for _, group, p, state in dense:
             n = p.numel()
             self._adam_step(group, p, state, dense_flat[offset : offset + n].view(p.shape))
             offset += n
-        for k, (group, p, state) in enumerate(comp):
-            state["exp_avg"].copy_(outs[k].view(p.shape))
-            state["worker_error"].copy_(new_worker[k])
-            state["server_error"].copy_(new_server[k])
+        store = self._compressor.state.slots
+        for (key, group, p, state), momentum in zip(comp, momenta):
+            if state["step"].item() == group["warmup_steps"]:
+                _floor_frozen_variance(state["exp_avg_sq"])
+            seen = state["exp_avg_sq"] > 0 if group["warmup_steps"] > 0 else None
+            state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
+            state["worker_error"] = store["residual"][key]
+            state["server_error"] = store["server_residual"].get(key, state["server_error"])
             state["step"] += 1
             beta1, beta2 = group["betas"]
             warm = group["warmup_steps"]
             bc2 = 1 - beta2**warm if warm > 0 else 1.0
             self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
-        self._counters["seconds"] += time.perf_counter() - started
         return loss
 
     # ------------------------------------------------------------------ internals
-    def _collectives(self) -> exchange.Collectives:
-        if self._comm is None:
-            if dist.is_available() and dist.is_initialized():
-                world = dist.get_world_size(self.process_group)
-                self._comm = exchange.Collectives(self.process_group) if world > 1 else _SingleProcess()
-            elif self.process_group is not None:
+    def _begin(self):
+        """Open a step of the Compressor that carries the exchange (made at the first step)."""
+        if self._compressor is None:
+            if self.process_group is not None and not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("OneBitAdam: a process_group was given but torch.distributed is not initialised")
-            else:
-                self._comm = _SingleProcess()
+            self._compressor = Compressor(CODEC_SPEC, process_group=self.process_group, error_feedback=True,
+                                          server_error_feedback=True, min_numel=0)
+        step = self._compressor.begin_step()
         if not self._checked:
-            if self._comm.world > 1:
-                self._check_same_config()
+            step.comm.check_same(self._config(), "OneBitAdam (parameters or hyperparameters)")
             self._checked = True
-        return self._comm
+        return step
 
     def _config(self) -> str:
         groups = []
@@ -367,19 +356,10 @@ class OneBitAdam(torch.optim.Optimizer):
                           f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
         return f"{CODEC_SPEC}; " + "; ".join(groups)
 
-    def _check_same_config(self) -> None:
-        """Once, before the first exchange: every rank must have the same parameters and hyperparameters."""
-        configs: list = [None] * self._comm.world
-        dist.all_gather_object(configs, self._config(), group=self.process_group)
-        if len(set(configs)) > 1:
-            lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(configs))
-            raise RuntimeError(f"OneBitAdam: ranks are configured differently (parameters or hyperparameters): "
-                               f"{lines}")
-
-    def _state_of(self, p: torch.Tensor, comm: exchange.Collectives) -> dict:
+    def _state_of(self, p: torch.Tensor, world: int) -> dict:
         """The parameter's state, created (or completed, after loading a torch Adam state) on first use."""
         state = self.state[p]
-        chunk = exchange.chunk_numel(p.numel(), comm.world, CHUNK_BLOCK)
+        chunk = exchange.chunk_numel(p.numel(), world)
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq", "worker_error"):
@@ -421,30 +401,25 @@ class OneBitAdam(torch.optim.Optimizer):
             p32.addcdiv_(state["exp_avg"], denom, value=-step_size)
             p.copy_(p32)
 
-    def _compressed_job(self, comm: exchange.Collectives, comp: list):
-        """Worker-side error feedback and the two-step 1-bit reduce of every compressed parameter, batched."""
-        codec = self.codec
-        chunked, new_worker = [], []
-        for group, p, state in comp:
-            beta1 = group["betas"][0]
-            grad = self._local_grad(group, p, p.grad.detach().float())
-            momentum = state["exp_avg"].lerp(grad, 1 - beta1)
-            x = (momentum + state["worker_error"]).reshape(-1)
-            payloads = [codec.encode(c) for c in exchange.split_chunks(x, comm.world, CHUNK_BLOCK)]
-            delivered = torch.cat([codec.decode(pl) for pl in payloads])[: x.numel()]
-            new_worker.append((x - delivered).view(p.shape))
-            chunked.append(payloads)
-        new_server: list[torch.Tensor | None] = [None] * len(comp)
 
-        def reencode(k: int, mean_chunk: torch.Tensor):
-            y = mean_chunk + comp[k][2]["server_error"]
-            payload = codec.encode(y)
-            new_server[k] = y - codec.decode(payload)
-            return payload
+def _floor_frozen_variance(v: torch.Tensor) -> None:
+    """At the freeze: lift each positive variance to at least (VARIANCE_FLOOR x the tensor's mean sqrt(v))^2.
 
-        outs = [torch.empty(p.numel(), dtype=torch.float32, device=p.device) for _, p, _ in comp]
-        job = exchange.two_step_mean(comm, codec, chunked, outs, reencode)
-        return job, outs, new_worker, new_server
+    Why: after the freeze a coordinate's update is lr * m / (sqrt(v) + eps), and the 1-bit
+    momentum m of a coordinate is of the size of its bucket's mean |m|, not its own. A
+    coordinate whose variance is far below the rest (a rarely active input, a nearly dead
+    unit) would move by lr * (bucket scale) / eps, orders of magnitude more than Adam
+    would move it, and the run diverges (digits, lr 2e-3, eps 1e-8: 8.6 %). Flooring the
+    frozen variance relative to the tensor bounds every update to about lr / VARIANCE_FLOOR
+    times the typical one, without changing coordinates of ordinary size. Coordinates
+    whose variance is exactly zero (no gradient through the whole warm-up, e.g. weights of
+    constant inputs) are masked instead: their momentum is zeroed, so they do not move, as
+    with DeepSpeed's ``exp_avg_mask``.
+    """
+    positive = v > 0
+    if bool(positive.any()):
+        floor = (VARIANCE_FLOOR * v.sqrt()[positive].mean()) ** 2
+        v.copy_(torch.where(positive, v.clamp(min=float(floor)), v))
 
 
 __all__ = ["OneBitAdam"]

@@ -1,0 +1,440 @@
+"""The public step protocol: one compressed step, from begin to commit or rollback.
+
+Every adapter (the DDP hook, ``Compressor.synchronize``, 1-bit Adam, the FSDP
+reduce-scatter, DiLoCo's outer exchange, ``plan``'s calibration) drives a
+:class:`~gradcompress.Compressor` through this lifecycle and nothing else::
+
+    step = compressor.begin_step()                 # schedule position, codec of this step
+    job = step.exchange(keys, tensors)             # a generator of collective rounds
+    step.drive([job, ...])                         # rounds in the same order on every rank
+    committed = step.end()                         # commit new state if every rank was finite
+
+or, to overlap the first round with other work (the backward pass)::
+
+    step.launch(job, done)                         # issue the first round now
+    ...
+    step.finish()                                  # drive every launched job, end, call done
+
+Inside :meth:`Step.exchange` each compressed tensor goes through the transforms of
+:mod:`gradcompress.transforms` (clip, momentum correction, worker error feedback), the
+codec, the collective its algebra allows (:mod:`gradcompress.exchange`), server error
+feedback at the chunk owner (two-step reduce) and the decode. New states are held in the
+step, never written into the Compressor's :class:`State` before :meth:`Step.end`:
+
+* finite on every rank (decided from values every rank has after the all-reduces: the
+  dense results and one flag that carries each rank's compressed inputs' finiteness):
+  every new state is committed and the schedule position advances;
+* otherwise every rank's result is non-finite (``GradScaler`` skips the step everywhere)
+  and nothing is committed: residuals, PowerSGD factors, momentum and the schedule
+  position stay as they were; the next step behaves as if this one never happened.
+
+Host synchronisations the algorithm needs (and no others on this path): the finiteness
+decision in :meth:`Step.end` (one per step), and the payload sizes of variable-size
+codecs (``threshold``, ``dgc``) before their all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from . import exchange
+from .codecs.base import Aggregation, Codec
+from .codecs.lowrank import initial_q, orthonormalize_
+from .schedule import codec_at
+from .transforms import Clip, ErrorFeedback, MomentumCorrection
+
+_MASK64 = (1 << 64) - 1
+#: the state slots a Compressor keeps, each a dict key -> tensor
+SLOTS = ("residual", "server_residual", "q", "p", "momentum")
+
+
+def mix_seed(*parts: int) -> int:
+    """A 62-bit seed from integers (splitmix64 steps), the same on every machine."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h >> 2
+
+
+def key_number(key: Hashable) -> int:
+    """An integer for a state key (a parameter position, or a string such as an FSDP group's name)."""
+    return key if isinstance(key, int) else zlib.crc32(str(key).encode())
+
+
+class State:
+    """Everything compression remembers between steps, in one place.
+
+    ``step``: committed steps (the schedule position); ``slots[name][key]``: per-key
+    tensors, with ``name`` one of :data:`SLOTS`: ``residual`` (worker error feedback),
+    ``server_residual`` (the chunk owner's, two-step reduce), ``q``/``p`` (PowerSGD's
+    warm-started factors), ``momentum`` (momentum correction).
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.slots: dict[str, dict] = {name: {} for name in SLOTS}
+
+    def get(self, slot: str, key: Hashable):
+        return self.slots[slot].get(key)
+
+    def commit(self, new: dict) -> None:
+        for (slot, key), value in new.items():
+            self.slots[slot][key] = value
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        out = {"step": self.step}
+        for name, values in self.slots.items():
+            out[name] = {str(k): v.clone() for k, v in values.items()}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        for name in SLOTS:
+            self.slots[name] = {_key(k): v.clone() for k, v in state.get(name, {}).items()}
+
+
+def _key(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+class Step:
+    """One step of a :class:`~gradcompress.Compressor` (made by ``Compressor.begin_step``).
+
+    ``codec`` is this step's codec (None on a dense warm-up step); ``comm`` the
+    collectives it issues. See the module docstring for the lifecycle.
+    """
+
+    def __init__(self, compressor, comm: exchange.Collectives, on_close: Callable):
+        self.compressor = compressor
+        self._on_close = on_close  # on_close(step, new_state_or_None, counted=True)
+        self.comm = comm
+        c = compressor
+        self.index = c.state.step
+        self.codec: Codec | None = codec_at(c.codec, self.index, c.warmup_steps, c.schedule, c.ramp_steps)
+        self._momentum: MomentumCorrection | None = c.momentum_correction
+        self._clip = Clip(c.clip, comm.world) if c.clip > 0 else None
+        self._ef = ErrorFeedback(c.residual_dtype) if c.error_feedback else None
+        self._server_ef = ErrorFeedback(c.residual_dtype) if c.server_error_feedback else None
+        self._new: dict = {}  # (slot, key) -> new state, committed by end()
+        self._checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
+        self._launched: list = []
+        self.raw_bytes = 0
+        self.codec_seconds = 0.0
+        self.open = True
+
+    # ---------------------------------------------------------------- the protocol
+    def exchange(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
+                 buffer: torch.Tensor | None = None, *, dense: bool = False) -> exchange.Job:
+        """Average ``tensors`` across the group, in place, as a job of collective rounds.
+
+        ``keys`` name each tensor's state (the same on every rank and in every run);
+        ``buffer``: optional flat tensor whose storage holds all of ``tensors`` (DDP's
+        bucket), used as the dense all-reduce buffer; ``dense=True`` sends this group
+        uncompressed whatever the step (still through momentum correction and the
+        finiteness check).
+        """
+        if not self.open:
+            raise RuntimeError("gradcompress: this step has ended; begin a new one with compressor.begin_step()")
+        return self._timed(self._group_job(list(keys), list(tensors), buffer, dense))
+
+    def launch(self, job: exchange.Job, done: Callable[[BaseException | None], None] | None = None) -> None:
+        """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
+        (or ``done(error)`` if the step failed)."""
+        self._launched.append((exchange.start(job), done))
+
+    def finish(self) -> bool:
+        """Drive every launched job, end the step, then call each ``done``. Returns :meth:`end`'s result."""
+        try:
+            self.drive([job for job, _ in self._launched])
+            committed = self.end()
+        except BaseException as err:
+            self.abort(err)
+            raise
+        launched, self._launched = self._launched, []
+        for _, done in launched:
+            if done is not None:
+                done(None)
+        return committed
+
+    def drive(self, jobs: list[exchange.Job]) -> None:
+        """Run jobs to completion, round-robin, in the order given (the same on every rank)."""
+        exchange.drive(jobs, self.comm)
+
+    def end(self) -> bool:
+        """Commit the step's new state if every rank was finite (one host sync); True if committed."""
+        finite = bool(torch.stack(self._checks).all()) if self._checks else True
+        self._on_close(self, self._new if finite else None)
+        self._new, self._checks, self.open = {}, [], False
+        return finite
+
+    def abort(self, error: "BaseException | None" = None) -> None:
+        """Drop the step (after an error): nothing is committed; launched jobs' ``done`` get ``error``."""
+        if self.open:
+            self._on_close(self, None, counted=False)
+        launched = self._launched
+        self._new, self._checks, self._launched, self.open = {}, [], [], False
+        for _, done in launched:
+            if done is not None:
+                done(error or RuntimeError("gradcompress: the step was aborted"))
+
+    # ---------------------------------------------------------------- state access
+    def old(self, slot: str, key: Hashable):
+        """The committed state of ``key`` in ``slot`` (None if there is none)."""
+        return self.compressor.state.get(slot, key)
+
+    def new(self, slot: str, key: Hashable):
+        """This step's new state of ``key`` if set, else the committed one."""
+        got = self._new.get((slot, key))
+        return self.old(slot, key) if got is None else got
+
+    def put(self, slot: str, key: Hashable, value: torch.Tensor) -> None:
+        self._new[slot, key] = value
+
+    def check(self, flag: torch.Tensor) -> None:
+        """Add a 0-d bool (the same on every rank) to the finiteness decision of :meth:`end`."""
+        self._checks.append(flag)
+
+    def seed(self, key: Hashable, codec: Codec, salt: int = 0) -> int:
+        """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs)."""
+        rank = 0 if codec.shared_seed else self.comm.rank
+        return mix_seed(self.compressor.seed, key_number(key), self.index, rank, salt)
+
+    # ---------------------------------------------------------------- internals
+    def _timed(self, job: exchange.Job) -> exchange.Job:
+        """The job, with the time spent in its own code counted as codec time."""
+        while True:
+            start = time.perf_counter()
+            try:
+                works = next(job)
+            except StopIteration:
+                self.codec_seconds += time.perf_counter() - start
+                return
+            self.codec_seconds += time.perf_counter() - start
+            yield works
+
+    def _with_momentum(self, key, g: torch.Tensor) -> torch.Tensor:
+        """Momentum correction of a tensor that travels dense: g is replaced by u (in place)."""
+        u, state = self._momentum.update(g.detach().float(), self.old("momentum", key))
+        self.put("momentum", key, state)
+        g.copy_(u.view(g.shape))
+        return g
+
+    def _group_job(self, keys, grads, buffer, force_dense) -> exchange.Job:
+        comm = self.comm
+        self.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
+        codec = None if force_dense else self.codec
+        if codec is None or codec.exact:  # dense: DDP's own all-reduce (plus momentum correction)
+            if self._momentum is not None:
+                for k, g in zip(keys, grads):
+                    self._with_momentum(k, g)
+            flat = buffer if buffer is not None else torch.cat([g.reshape(-1) for g in grads]) if grads else None
+            if flat is not None and flat.numel():
+                yield from exchange.dense_mean(comm, flat)
+                self.check(torch.isfinite(flat).all())
+                if buffer is None:
+                    _scatter(flat, grads)
+            return
+        aggregation = Aggregation.GATHER if self.compressor.collective == "allgather" else codec.aggregation
+        dense, comp = [], []
+        for k, g in zip(keys, grads):
+            small = g.numel() < self.compressor.min_numel
+            if aggregation is Aggregation.LOWRANK and codec.matrix_shape(g.shape) is None:
+                small = True
+            (dense if small else comp).append((k, g))
+        if self._momentum is not None:
+            for k, g in dense:
+                self._with_momentum(k, g)
+        inputs = [self._input(k, g) for k, g in comp]
+        device = grads[0].device if grads else None
+        ok = [torch.isfinite(x).all() for x in inputs] + [torch.isfinite(g).all() for _, g in dense]
+        flag = torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
+        dtype = grads[0].dtype if grads else torch.float32
+        dense_flat = torch.cat([g.reshape(-1) for _, g in dense] + [flag.reshape(1).to(dtype)])
+        outs = [torch.empty_like(x) for x in inputs]
+        jobs = [exchange.dense_mean(comm, dense_flat)]
+        if comp:
+            jobs.append(self._compressed_job(codec, aggregation, [k for k, _ in comp], inputs, outs))
+        yield from exchange.parallel(jobs)
+        _scatter(dense_flat[:-1], [g for _, g in dense])
+        self.check(torch.isfinite(dense_flat).all())
+        flag = dense_flat[-1:].float()
+        for (k, g), out in zip(comp, outs):
+            if not codec.preserves_nonfinite:
+                out.view(-1)[:1].add_(flag)
+            g.copy_(out.view(g.shape))
+
+    def _input(self, key, grad: torch.Tensor) -> torch.Tensor:
+        """What gets compressed: clip -> momentum correction -> + residual, float32 and contiguous."""
+        x = grad.detach().float().contiguous()
+        if self._clip is not None:
+            x, _ = self._clip.update(x)
+        if self._momentum is not None:
+            x, state = self._momentum.update(x, self.old("momentum", key))
+            self.put("momentum", key, state)
+        if self._ef is not None:
+            x, _ = self._ef.update(x, self.old("residual", key))
+        if x.data_ptr() == grad.data_ptr():
+            x = x.clone()  # the gradient is overwritten with the result while x may still be read
+        return x
+
+    def _delivered(self, key, sent: torch.Tensor, delivered: Callable[[], torch.Tensor]) -> None:
+        """Record what this rank's compression delivered for ``key``: the new residual and masked momentum.
+
+        ``delivered`` is evaluated once, and only when some state needs it.
+        """
+        masking = self._momentum is not None and self._momentum.masking
+        if self._ef is None and not masking:
+            return
+        cache: list[torch.Tensor] = []
+
+        def once() -> torch.Tensor:
+            if not cache:
+                cache.append(delivered())
+            return cache[0]
+
+        if self._ef is not None:
+            self.put("residual", key, self._ef.after(None, sent, once))
+        if masking:
+            self.put("momentum", key, self._momentum.after(self.new("momentum", key), sent, once))
+
+    def _compressed_job(self, codec, aggregation, keys, inputs, outs) -> exchange.Job:
+        comm = self.comm
+        world = comm.world
+        if aggregation is Aggregation.SUM:
+            payloads = []
+            for k, x in zip(keys, inputs):
+                p = codec.encode(x / world, seed=self.seed(k, codec))
+                self._delivered(k, x, lambda p=p: codec.decode(p).float() * world)
+                payloads.append(p)
+            yield from exchange.sum_mean(comm, codec, payloads, outs)
+        elif aggregation is Aggregation.GATHER:
+            payloads = []
+            for k, x in zip(keys, inputs):
+                p = codec.encode(x, seed=self.seed(k, codec))
+                self._delivered(k, x, lambda p=p: codec.decode(p).float())
+                payloads.append(p)
+            yield from exchange.gather_mean(comm, codec, payloads, outs)
+        elif aggregation is Aggregation.REQUANTIZE and world == 1:  # nothing to reduce: no second quantisation
+            for k, x, out in zip(keys, inputs, outs):
+                delivered = codec.decode(codec.encode(x, seed=self.seed(k, codec))).float()
+                self._delivered(k, x, lambda d=delivered: d)
+                out.copy_(delivered)
+        elif aggregation is Aggregation.REQUANTIZE:
+            chunked = []
+            for k, x in zip(keys, inputs):
+                payloads = self.encode_chunks(codec, k, x)
+                self._delivered(k, x, lambda ps=payloads, n=x.numel():
+                                torch.cat([codec.decode(p).float() for p in ps])[:n])
+                chunked.append(payloads)
+
+            def reencode(i: int, mean_chunk: torch.Tensor):
+                return self.encode_owned_chunk(codec, keys[i], mean_chunk)
+
+            yield from exchange.two_step_mean(comm, codec, chunked, outs, reencode)
+        else:
+            yield from self._lowrank_job(codec, keys, inputs, outs)
+
+    def encode_chunks(self, codec: Codec, key, x: torch.Tensor) -> list:
+        """``x`` cut into one chunk per rank (:func:`exchange.split_chunks`), each encoded."""
+        parts = exchange.split_chunks(x.reshape(-1), self.comm.world, exchange.CHUNK_BLOCK)
+        seed = self.seed(key, codec)
+        return [codec.encode(c, seed=mix_seed(seed, j)) for j, c in enumerate(parts)]
+
+    def encode_owned_chunk(self, codec: Codec, key, mean_chunk: torch.Tensor):
+        """The chunk owner's re-encode in the two-step reduce, with server error feedback when on."""
+        seed = self.seed(key, codec, salt=1)
+        if self._server_ef is None:
+            return codec.encode(mean_chunk, seed=seed)
+        residual = self.old("server_residual", key)
+        if residual is not None and residual.numel() != mean_chunk.numel():
+            residual = None  # a checkpoint from another world size: restart this residual
+        y, _ = self._server_ef.update(mean_chunk, residual)
+        payload = codec.encode(y, seed=seed)
+        self.put("server_residual", key, self._server_ef.after(None, y, lambda: codec.decode(payload).float()))
+        return payload
+
+    # ---------------------------------------------------------------- PowerSGD rounds
+    def _basis(self, slot: str, key, size: int, rank: int, device, salt: int) -> torch.Tensor:
+        """PowerSGD's warm-started factor for ``key``, drawn from the seed at first use (or on a rank change)."""
+        cur = self.old(slot, key)
+        if cur is None or cur.shape != (size, rank):
+            fresh = initial_q(size, rank, mix_seed(self.compressor.seed, key_number(key), salt), device)
+            if cur is not None and cur.shape[0] == size:
+                r = min(rank, cur.shape[1])
+                fresh[:, :r] = cur[:, :r]
+            cur = orthonormalize_(fresh) if salt else fresh
+        return cur
+
+    def _lowrank_job(self, codec, keys, inputs, outs) -> exchange.Job:
+        """PowerSGD (Vogels et al. 2019), all matrices of the group batched into one all-reduce per round.
+
+        Default: P = M Q; all-reduce P; orthonormalise; Q = M^T P; all-reduce Q; result
+        P Q^T; Q warm-starts the next step. ``alternate=true``: one all-reduce per step,
+        even steps reduce P = M Q_hat (result P Q_hat^T), odd steps Q = M^T P_hat (result
+        P_hat Q^T), the reduced factor orthonormalised becomes the next step's basis.
+        """
+        comm, world = self.comm, self.comm.world
+        mats = []
+        for x in inputs:
+            n, m = codec.matrix_shape(x.shape)
+            mats.append(x.view(n, m))
+        rank_of = [min(codec.rank, *m.shape) for m in mats]
+        dev = mats[0].device
+        if not codec.alternate:
+            qs = [self._basis("q", k, m.shape[1], r, dev, 0) for k, m, r in zip(keys, mats, rank_of)]
+            ps = torch.cat([(m @ q).reshape(-1) for m, q in zip(mats, qs)])
+            yield [comm.all_reduce(ps)]
+            p_hat = [orthonormalize_(p) for p in _split(ps, [(m.shape[0], r) for m, r in zip(mats, rank_of)])]
+            q_local = [m.T @ p for m, p in zip(mats, p_hat)]
+            for k, x, p, q in zip(keys, inputs, p_hat, q_local):
+                self._delivered(k, x, lambda p=p, q=q: p @ q.T)
+            q_flat = torch.cat([q.reshape(-1) for q in q_local])
+            yield [comm.all_reduce(q_flat)]
+            q_flat.div_(world)
+            for k, p, q, out in zip(keys, p_hat, _split(q_flat, [q.shape for q in q_local]), outs):
+                torch.matmul(p, q.T, out=out.view(p.shape[0], q.shape[0]))
+                self.put("q", k, q.clone())
+            return
+        p_step = self.index % 2 == 0
+        bases = [self._basis("q" if p_step else "p", k, m.shape[1] if p_step else m.shape[0], r, dev,
+                             1 if p_step else 2) for k, m, r in zip(keys, mats, rank_of)]
+        local = [(m @ b) if p_step else (m.T @ b) for m, b in zip(mats, bases)]
+        for k, x, b, f in zip(keys, inputs, bases, local):
+            self._delivered(k, x, lambda f=f, b=b: f @ b.T if p_step else b @ f.T)
+        flat = torch.cat([f.reshape(-1) for f in local])
+        yield [comm.all_reduce(flat)]
+        flat.div_(world)
+        for k, b, f, out in zip(keys, bases, _split(flat, [f.shape for f in local]), outs):
+            if p_step:
+                torch.matmul(f, b.T, out=out.view(f.shape[0], b.shape[0]))
+                self.put("p", k, orthonormalize_(f.clone()))
+            else:
+                torch.matmul(b, f.T, out=out.view(b.shape[0], f.shape[0]))
+                self.put("q", k, orthonormalize_(f.clone()))
+
+
+def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(*shape))
+        offset += n
+    return out
+
+
+def _scatter(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view(g.shape))
+        offset += g.numel()
+
+
+__all__ = ["SLOTS", "State", "Step", "key_number", "mix_seed"]
