@@ -1,0 +1,100 @@
+"""Robust by default: overflow rollback of every state, DDP subgroups, memory formats, server error
+feedback, momentum correction, checkpoints of the new state. Real gloo workers, each launch with a
+timeout so a deadlock fails instead of hanging CI."""
+
+import pytest
+import torch
+
+import robust_workers as rw
+from gradcompress import launch
+
+TIMEOUT = 240
+OVERFLOW_SCHEMES = ["dgc:ratio=0.05", "topk:ratio=0.05", "powersgd:rank=2", "sign", "int8",
+                    "sign:momentum=0.9,server_error_feedback=true", "int4:server_error_feedback=true"]
+
+
+@pytest.mark.parametrize("where, warmup", [("bias", 0), ("weight", 0), ("bias", 4)],
+                         ids=["dense-bias", "compressed-weight", "during-warmup"])
+def test_overflow_anywhere_rolls_back_every_state(where, warmup):
+    """Inf on one rank in a tensor that travels dense, a compressed one, or during the dense warm-up:
+    non-finite on every rank that step, nothing committed, finite again from the next step."""
+    results = launch.run(rw.overflow_runs, 2, OVERFLOW_SCHEMES, where, warmup, timeout=TIMEOUT)
+    for scheme in OVERFLOW_SCHEMES:
+        for r in results:
+            r = r[scheme]
+            assert r["finite_per_step"] == [True, True, False, True, True], (scheme, r["finite_per_step"])
+            assert r["state_unchanged"], (scheme, "state changed on the overflow step")
+            assert r["state_finite"], (scheme, "an Inf reached the compression state")
+            assert r["step"] == 4 and r["skipped"] == 1, (scheme, r["step"], r["skipped"])
+            if warmup == 0:
+                assert r["had_state"], scheme
+        a, b = (results[i][scheme]["params"] for i in range(2))
+        assert all(torch.equal(x, y) and bool(torch.isfinite(x).all()) for x, y in zip(a, b)), scheme
+
+
+def test_ddp_on_subgroups_averages_within_each_group():
+    results = launch.run(rw.subgroups, 4, ["none", "int8"], timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        local = r["none"]["local"]
+        expected = [(local[pair[0]][i] + local[pair[1]][i]) / 2 for i in range(len(local[0]))]
+        assert r["none"]["group_size"] == 2
+        assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-7) for g, e in zip(r["none"]["grads"], expected))
+        world_mean = [sum(local[k][i] for k in range(4)) / 4 for i in range(len(local[0]))]
+        assert not all(torch.allclose(g, e, rtol=1e-3) for g, e in zip(r["none"]["grads"], world_mean))
+        partner = results[pair[0] if rank % 2 else pair[1]]
+        assert all(torch.equal(a, b) for a, b in zip(r["int8"]["grads"], partner["int8"]["grads"]))
+        assert "process_group" in r["mismatch"], r["mismatch"]
+    other = results[2]["int8"]["grads"]
+    assert not all(torch.equal(a, b) for a, b in zip(results[0]["int8"]["grads"], other))
+
+
+def test_channels_last_gradients_in_synchronize():
+    specs = ["powersgd:rank=2", "powersgd:rank=1,alternate=true", "int8", "topk:ratio=0.05", "sign"]
+    results = launch.run(rw.memory_formats, 2, specs, timeout=TIMEOUT)
+    for r in results:
+        for spec in specs:
+            (cl, cl_layouts), (contig, contig_layouts) = r[spec]
+            assert all(cl_layouts) and not any(contig_layouts), spec  # the test really had channels_last grads
+            for a_step, b_step in zip(cl, contig):
+                assert all(torch.equal(a, b) for a, b in zip(a_step, b_step)), spec
+
+
+@pytest.mark.parametrize("codec", ["sign", "int4"])
+def test_server_error_feedback_removes_the_bias_of_the_second_quantisation(codec):
+    """4 workers, fixed per-rank gradients: with worker and server error feedback the running mean
+    of the delivered averages converges to the exact average (error ~ 1/T); with worker error
+    feedback alone it stalls at the bias of the chunk owners' re-quantisation."""
+    steps = (25, 100, 200)
+    with_server = launch.run(rw.fixed_gradients, 4, f"{codec}:server_error_feedback=true", 200, steps,
+                             timeout=TIMEOUT)
+    without = launch.run(rw.fixed_gradients, 4, codec, 200, steps, timeout=TIMEOUT)
+    for a, b in zip(with_server, without):
+        assert a[200] < a[100] < a[25], a  # still converging
+        assert a[200] < 0.5 * b[200], (a, b)
+        assert a[200] < {"sign": 0.1, "int4": 0.005}[codec], a
+
+
+def test_momentum_correction_sends_the_momentum_of_the_average():
+    results = launch.run(rw.momentum_correction, 2, timeout=TIMEOUT)
+    for diffs, keys in results:
+        assert max(diffs) < 1e-5, diffs
+        assert keys == ["0", "1"]
+
+
+def test_checkpoint_resume_is_exact_with_server_residuals_and_momentum(tmp_path):
+    schemes = ["sign:momentum=0.9,server_error_feedback=true", "int4:server_error_feedback=true",
+               "topk:ratio=0.05,momentum=0.9"]
+    path = str(tmp_path / "ckpt")
+    full = launch.run(rw.checkpoint_runs, 2, schemes, 6, -1, path, False, timeout=TIMEOUT)
+    launch.run(rw.checkpoint_runs, 2, schemes, 6, 3, path, False, timeout=TIMEOUT)
+    resumed = launch.run(rw.checkpoint_runs, 2, schemes, 6, -1, path, True, timeout=TIMEOUT)
+    for rank in range(2):
+        for scheme in schemes:
+            params, sizes = full[rank][scheme]
+            assert all(torch.equal(a, b) for a, b in zip(params, resumed[rank][scheme][0])), (scheme, rank)
+            assert sizes["residual"] > 0
+            if "momentum" in scheme:
+                assert sizes["momentum"] > 0, scheme
+            if "server" in scheme:
+                assert sizes["server_residual"] > 0, scheme
