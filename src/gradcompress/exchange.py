@@ -1,7 +1,7 @@
 """Collectives chosen by a codec's algebra, driven as rounds, with byte accounting.
 
-This is the only module (with :mod:`gradcompress.optim`) that talks to
-``torch.distributed``. An exchange of one group of tensors is a *job*: a generator that
+This is the only module that issues collectives (the adapters create groups or
+broadcast initial parameters, nothing on the step path). An exchange of one group of tensors is a *job*: a generator that
 issues asynchronous collectives, yields their work handles, and resumes when they have
 completed. :func:`drive` advances several jobs round by round, in the order they were
 created, so every rank issues the same collectives in the same order (no collective is

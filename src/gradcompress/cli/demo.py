@@ -5,33 +5,30 @@ once and trains the task of :mod:`gradcompress.cli.task` once per scheme in them
 run from the same initial weights and the same minibatches. Prints a table, and writes
 ``results.json`` and ``report.png`` into ``--out``.
 
-Default schemes and why these options (5 dense warm-up steps; error feedback on for
-the biased codecs, off for ``none`` and the unbiased stochastic ``qsgd``/``terngrad``,
-see :func:`gradcompress.cli.task.default_error_feedback`; SGD lr 0.05, momentum 0.9):
+Default schemes, each with the library's defaults (error feedback ``"auto"``: on for
+the biased codecs, off for ``none``, ``fp16`` and the unbiased ``qsgd``/``terngrad``;
+5 dense warm-up steps; SGD lr 0.05, momentum 0.9):
 
 * ``none``, ``fp16``                    dense baselines (fp16 halves the bytes);
-* ``int8``, ``int4``                    uniform quantisation, 512-element buckets, with error feedback;
-* ``qsgd``, ``terngrad``                unbiased stochastic quantisers, *without* error feedback:
-  their variance exceeds ||x||^2 (not contractive), and with error feedback the residual
-  grows until the loss is NaN (qsgd at step ~60, terngrad at step ~110 on this task);
-* ``sign``                              scaled sign (1 bit + a scale per bucket), error feedback;
+* ``int8``, ``int4``                    uniform quantisation, 512-element buckets, error feedback;
+* ``qsgd``, ``terngrad``                unbiased stochastic quantisers, without error feedback
+  (fed back, their variance would grow without bound);
+* ``sign:momentum=0.9``                 scaled sign (1 bit + a scale per bucket), error feedback,
+  with momentum correction in the compressor and SGD without momentum: error-fed sign
+  under heavy optimizer momentum is unstable, compressing the momentum is not;
 * ``topk:ratio=0.01``                   1 % of the values + their int32 positions, error feedback;
 * ``randomk:ratio=0.25,scale=false``    a quarter of the values at shared random positions,
-  not rescaled, with error feedback (unscaled random-k is a contraction, so error feedback
-  applies). At ``ratio=0.01`` random positions rarely hit the large entries, the residual
-  drains slowly and the run reaches only ~86 % in 250 steps; 25 % keeps up with ``none``.
-  (``randomk:ratio=0.25,scale=true``, unbiased, without error feedback, converges too here.)
-* ``dgc:ratio=0.01``                    Deep Gradient Compression (sampled top-k, momentum
-  correction and factor masking in the compressor), plain SGD without momentum;
+  not rescaled (a contraction, so error feedback applies);
+* ``dgc:ratio=0.01``                    Deep Gradient Compression (sampled top-k, its own momentum
+  correction and factor masking in the compressor), SGD without momentum;
 * ``powersgd:rank=2``                   rank-2 PowerSGD with warm-started Q, error feedback;
 * ``topk:ratio=0.01,values=int8``       top-k whose kept values are sent as int8;
 * ``onebitadam``                        1-bit Adam (dense Adam warm-up for the first 20 % of
-  the steps, then sign-compressed momentum with error feedback), lr 1e-3 and eps 1e-4
-  (``--lr`` does not apply to it; set ``onebitadam:lr=...,eps=...,warmup_steps=...``). eps
-  is 1e-4 rather than 1e-8 because some coordinates of this task (weights of constant
-  pixels, dead ReLU units) have zero gradient through the warm-up, hence a frozen variance
-  of 0, and the 1-bit momentum then moves them by lr * scale / eps: at eps=1e-8 the loss
-  jumps to ~350 a few steps after the warm-up (final accuracy 96.2 % instead of 97.3 %).
+  the steps, then sign-compressed momentum with error feedback), lr 1e-3, default eps
+  (``--lr`` does not apply to it; set ``onebitadam:lr=...,eps=...,warmup_steps=...``).
+
+A scheme's options may set the Compressor's as well as the codec's (``sign:momentum=0.9``,
+``int4:server_error_feedback=true``); see :data:`gradcompress.cli.task.COMPRESSOR_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ DEFAULT_SCHEMES = (
     "int4",
     "qsgd",
     "terngrad",
-    "sign",
+    "sign:momentum=0.9",
     "topk:ratio=0.01",
     "randomk:ratio=0.25,scale=false",
     "dgc:ratio=0.01",

@@ -47,11 +47,23 @@ parameter update, counted in ``stats()["skipped"]``. This keeps the error buffer
 from being poisoned for good; it differs from ``torch.optim.Adam``, which would write
 the NaN into the parameters.
 
-Known limitation (as DeepSpeed without ``exp_avg_mask``): elements whose gradient was
-exactly zero for the whole warm-up have a frozen variance of 0; the 1-bit momentum
-cannot represent an exact zero inside a bucket with non-zero elements, so such elements
-get updates of order ``lr * scale / eps``. Freeze them (``requires_grad=False``) or
-give them their own optimizer.
+Coordinates with a tiny or zero frozen variance (the default ``eps`` is safe): the 1-bit
+momentum of a coordinate has the size of its bucket's mean |m|, not its own, so a
+coordinate whose variance is far below the rest would move by about lr * scale / eps
+after the freeze and the run would diverge (digits, 4 workers, lr 2e-3, 30 warm-up steps,
+eps 1e-8: the loss is NaN at step 41 without a remedy; 97.33 % with the mask below alone,
+97.11 % with the floor alone and with both). At the freeze, positive variances are therefore lifted
+to at least ``(VARIANCE_FLOOR * mean sqrt(v))^2`` of their tensor, which bounds every
+update to about 1/VARIANCE_FLOOR times a typical one, and coordinates whose variance is
+exactly zero (no gradient through the whole warm-up, e.g. weights of constant inputs)
+are masked: their momentum is zeroed and they do not move (DeepSpeed's ``exp_avg_mask``
+idea, computed instead of configured). With ``warmup_steps=0`` nothing is estimated,
+so nothing is floored or masked.
+
+The exchange is a :class:`gradcompress.Compressor` step (:mod:`gradcompress.step`) with
+the ``sign`` codec, worker and server error feedback and ``min_numel=0``; the residuals
+live in this optimizer's state (``worker_error``, ``server_error``) and are handed to
+the step by reference, so checkpoints hold them and a non-finite step commits nothing.
 """
 
 from __future__ import annotations
@@ -323,7 +335,7 @@ class OneBitAdam(torch.optim.Optimizer):
         for (key, group, p, state), momentum in zip(comp, momenta):
             if state["step"].item() == group["warmup_steps"]:
                 _floor_frozen_variance(state["exp_avg_sq"])
-            seen = state["exp_avg_sq"] > 0 if group["warmup_steps"] > 0 else None
+            seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
             state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
             state["worker_error"] = store["residual"][key]
             state["server_error"] = store["server_residual"].get(key, state["server_error"])
@@ -400,6 +412,11 @@ class OneBitAdam(torch.optim.Optimizer):
             p32 = p.detach().float()
             p32.addcdiv_(state["exp_avg"], denom, value=-step_size)
             p.copy_(p32)
+
+
+def _seen_in_warmup(v: torch.Tensor) -> torch.Tensor:
+    """The freeze mask: coordinates that had a gradient during the warm-up (frozen variance > 0)."""
+    return v > 0
 
 
 def _floor_frozen_variance(v: torch.Tensor) -> None:
