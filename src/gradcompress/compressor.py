@@ -12,7 +12,7 @@ FSDP, 1-bit Adam, DiLoCo) uses that protocol and nothing else.
 from __future__ import annotations
 
 import warnings
-from typing import Hashable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist

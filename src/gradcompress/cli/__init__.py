@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .task import CLIError
+from .common import CLIError
 
 __all__ = ["main"]
 

@@ -21,8 +21,7 @@ import statistics
 import sys
 import time
 
-from .demo import positive_int, split_schemes
-from .task import CLIError
+from .common import CLIError, positive_int, split_schemes
 
 EXTRA_CODECS = ("topk:ratio=0.01,values=int8", "int8:stochastic=true", "powersgd:rank=4")
 MATRIX_ROWS = 4096

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import threading
 import time
 
+from .common import nonnegative_int, positive_float, positive_int, split_schemes  # noqa: F401
 from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
                    load_data, onebitadam_problem, scheme_name, summarize)
 
@@ -64,34 +64,6 @@ DEFAULT_OUT = "./gradcompress-report/"
 
 
 # --------------------------------------------------------------------------- arguments
-def _checked(convert, ok, what: str):
-    """An argparse type: ``convert(text)`` that must satisfy ``ok``, else 'expected WHAT, got TEXT'."""
-
-    def parse(text: str):
-        try:
-            v = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return v
-
-    return parse
-
-
-positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
-nonnegative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
-
-
-def split_schemes(values: list[str] | None) -> list[str]:
-    """``--schemes`` values, each possibly a ``;``-separated list, flattened (empty items dropped)."""
-    out = []
-    for v in values or []:
-        out.extend(s.strip() for s in v.split(";") if s.strip())
-    return out
-
-
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="train the digits MLP once per scheme on local workers; table, results.json, report.png",

@@ -51,8 +51,7 @@ import tempfile
 import threading
 import time
 
-from .demo import positive_int, split_schemes
-from .task import CLIError, human_bytes
+from .common import CLIError, human_bytes, positive_int, split_schemes
 
 MODELS = ("mlp", "cnn", "tiny")
 PORT = 29500

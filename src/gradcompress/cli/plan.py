@@ -32,8 +32,7 @@ import statistics
 import sys
 import time
 
-from .demo import _checked, positive_float, positive_int, split_schemes
-from .task import CLIError, human_bytes
+from .common import CLIError, _checked, human_bytes, positive_float, positive_int, split_schemes
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Any
 
@@ -33,14 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .common import CLIError, check_out_dir, human_bytes, one_line  # noqa: F401  (re-exported for the CLI)
+
 ONEBITADAM = "onebitadam"
 #: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam)
 ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps")
 IN_FEATURES, CLASSES = 64, 10
-
-
-class CLIError(Exception):
-    """A problem with the command line or the environment: printed as one line, exit code 2."""
 
 
 # --------------------------------------------------------------------------- configuration
@@ -152,7 +149,7 @@ def check_scheme(scheme: str) -> str:
         try:
             opts = parse(scheme)
         except ValueError as err:
-            raise CLIError(_one_line(err)) from None
+            raise CLIError(one_line(err)) from None
         bad = [k for k in opts if k != "name" and k not in ONEBITADAM_OPTIONS]
         if bad:
             raise CLIError(f"onebitadam: unknown option {bad[0]!r}; options of onebitadam: "
@@ -165,7 +162,7 @@ def check_scheme(scheme: str) -> str:
         codec, options = split_scheme(scheme)
         gradcompress.Compressor(codec, **options)  # checks the Compressor's options too
     except (ValueError, TypeError) as err:
-        msg = _one_line(err)
+        msg = one_line(err)
         if "unknown codec" in msg:
             msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
         raise CLIError(msg) from None
@@ -178,27 +175,8 @@ def onebitadam_problem() -> str | None:
     try:
         from ..optim import OneBitAdam  # noqa: F401
     except Exception as err:  # ImportError, or a half-written module
-        return f"gradcompress.optim.OneBitAdam is not available ({type(err).__name__}: {_one_line(err)})"
+        return f"gradcompress.optim.OneBitAdam is not available ({type(err).__name__}: {one_line(err)})"
     return None
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-def check_out_dir(path: str) -> str:
-    """Create ``path`` if needed and check that a file can be written there (before any training)."""
-    import tempfile
-
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".gradcompress-write-test-"):
-            pass
-    except OSError as err:
-        reason = err.strerror or _one_line(err)
-        raise CLIError(f"cannot write to --out {path!r}: {reason}") from None
-    return path
 
 
 # --------------------------------------------------------------------------- data and model
@@ -367,13 +345,3 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "cumulative_bytes": cum if None not in cum else None,
         "stats": {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()},
     }
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"

@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 
-from .demo import nonnegative_int, positive_float, positive_int
+from .common import nonnegative_int, positive_float, positive_int
 from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes, load_data,
                    onebitadam_problem, scheme_name, summarize, train_worker)
 
