@@ -111,6 +111,8 @@ class Compressor:
         self.schedule = schedule
         self.ramp_steps = _check_int("ramp_steps", ramp_steps, 0)
         self.residual_dtype = residual_dtype
+        #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
+        self.dense_codec = make("none")
         self.state = State()
         self.current_step: Step | None = None
         self._comm: exchange.Collectives | None = None

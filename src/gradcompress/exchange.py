@@ -87,6 +87,12 @@ class Collectives:
         out = torch.empty_like(t)
         return out, dist.all_to_all_single(out, t, group=self.group, async_op=True)
 
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+        """Uneven all-to-all: ``in_splits[j]`` elements of ``t`` go to rank j, ``out_splits[i]`` come from rank i."""
+        self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
+        out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
+        return out, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
+
     def wait(self, works: list) -> None:
         start = time.perf_counter()
         for w in works:
@@ -129,6 +135,9 @@ class LocalCollectives(Collectives):
         return [t.clone() for _ in range(self.world)], Done()
 
     def all_to_all(self, t):
+        return t.clone(), Done()
+
+    def all_to_all_v(self, t, in_splits, out_splits):
         return t.clone(), Done()
 
     def wait(self, works) -> None:
@@ -320,6 +329,37 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
             out.copy_(flat.view(out.shape))
 
 
+def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload], out: torch.Tensor) -> Job:
+    """A compressed reduce-scatter: ``payloads[j]`` is this rank's payload of chunk j (every chunk has
+    ``out``'s numel). All-to-all (sizes first if the codec's payload size varies), so this rank holds
+    every rank's payload of its own chunk; they are decoded one by one and summed into ``out``.
+    Each rank sends (W-1)/W of its compressed buffer. Received payloads are read with this rank's own
+    payload of its chunk as the template (layout, seed): the decode must not depend on a per-rank seed.
+    """
+    world, rank = comm.world, comm.rank
+    parts = [to_bytes(p.tensors, out.device) for p in payloads]
+    template = payloads[rank]
+    if codec.fixed_layout:
+        received, work = comm.all_to_all(torch.cat(parts))
+        yield [work]
+        lays = [layout(template.tensors)] * world
+        pieces = list(received.split(parts[rank].numel()))
+    else:
+        counts = torch.tensor([[t.numel() for t in p.tensors] for p in payloads], dtype=torch.int64,
+                              device=out.device)
+        got, work = comm.all_to_all(counts.reshape(-1))
+        yield [work]
+        got = got.view(world, -1).tolist()
+        lays = [[(t.dtype, torch.Size([n])) for t, n in zip(template.tensors, row)] for row in got]
+        sizes = [sum(n * t.element_size() for t, n in zip(template.tensors, row)) for row in got]
+        received, work = comm.all_to_all_v(torch.cat(parts), [q.numel() for q in parts], sizes)
+        yield [work]
+        pieces = list(received.split(sizes))
+    out.zero_()
+    for piece, lay in zip(pieces, lays):
+        out.add_(codec.decode(template.replace(from_bytes(piece, lay))).float().reshape(out.shape))
+
+
 def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> list[torch.Tensor]:
     """``flat`` zero-padded to ``world`` equal chunks of :func:`chunk_numel` elements."""
     per = chunk_numel(flat.numel(), world, block)
@@ -329,5 +369,5 @@ def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> li
 
 
 __all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "drive", "parallel", "start",
-           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "split_chunks", "chunk_numel", "to_bytes",
+           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
            "from_bytes"]

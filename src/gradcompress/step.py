@@ -145,6 +145,50 @@ class Step:
             raise RuntimeError("gradcompress: this step has ended; begin a new one with compressor.begin_step()")
         return self._timed(self._group_job(list(keys), list(tensors), buffer, dense))
 
+    def reduce_scatter(self, key: Hashable, input: torch.Tensor, output: torch.Tensor, scale: float) -> exchange.Job:
+        """A compressed reduce-scatter, as a job: ``input`` holds one chunk per rank (``world`` x
+        ``output.numel()`` elements, chunk j for rank j); ``output`` receives this rank's chunk of the
+        sum over ranks, times ``scale`` (1/world for an average).
+
+        The whole local ``input`` goes through the transforms (momentum correction, worker error
+        feedback: the residual covers the local unsharded buffer) and is encoded chunk by chunk;
+        chunks travel by all-to-all and are decoded and summed by their owner. The output is final,
+        so there is no second quantisation (and no server residual). A one-element all-reduce of a
+        finiteness flag makes every rank's output non-finite if any rank's input was.
+        """
+        if not self.open:
+            raise RuntimeError("gradcompress: this step has ended; begin a new one with compressor.begin_step()")
+        return self._timed(self._reduce_scatter_job(key, input, output, scale))
+
+    def _reduce_scatter_job(self, key, input, output, scale) -> exchange.Job:
+        comm, world = self.comm, self.comm.world
+        if input.numel() != world * output.numel():
+            raise ValueError(f"gradcompress: reduce-scatter input of {input.numel()} elements is not {world} chunks "
+                             f"of the output's {output.numel()}")
+        self.raw_bytes += input.numel() * input.element_size()
+        codec = self.codec
+        if codec is None or codec.exact:  # dense: the chunks as they are (an all-to-all is a reduce-scatter)
+            x = input.reshape(-1)
+            if self._momentum is not None:
+                x = self._with_momentum(key, x.clone())
+            codec, seeds = self.compressor.dense_codec, [0] * world
+        else:
+            x = self._input(key, input.reshape(-1))
+            seed = self.seed(key, codec)
+            seeds = [mix_seed(seed, j) for j in range(world)]
+        chunks = x.view(world, -1)
+        payloads = [codec.encode(c, seed=s) for c, s in zip(chunks, seeds)]
+        if codec is not self.compressor.dense_codec:
+            self._delivered(key, x, lambda: torch.cat([codec.decode(p).float().reshape(-1) for p in payloads]))
+        flag = torch.where(torch.isfinite(x).all(), 0.0, math.nan).reshape(1).to(torch.float32)
+        total = torch.empty(output.numel(), dtype=torch.float32, device=output.device)
+        yield from exchange.parallel([exchange.reduce_scatter_sum(comm, codec, payloads, total),
+                                      exchange.dense_mean(comm, flag)])
+        self.check(torch.isfinite(flag).all())
+        total.mul_(scale)
+        total[:1].add_(flag)
+        output.copy_(total.view(output.shape))
+
     def launch(self, job: exchange.Job, done: Callable[[BaseException | None], None] | None = None) -> None:
         """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
         (or ``done(error)`` if the step failed)."""

@@ -65,6 +65,7 @@ class RunConfig:
     seed: int = 0
     hidden: int = 256
     progress_every: int = 5
+    fsdp: bool = False
 
     def kind(self) -> str:
         """``"onebitadam"`` or ``"sgd"``."""
@@ -255,7 +256,18 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         codec, options = cfg.compressor()
-        comp = gradcompress.register_ddp_hook(net, codec, **options)
+        if cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
+            from torch.distributed.fsdp import fully_shard
+
+            net = model
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            options.pop("min_numel")
+            comp = gradcompress.register_fsdp(model, codec, **options)
+        else:
+            comp = gradcompress.register_ddp_hook(net, codec, **options)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
         stats_of = comp.stats
 
@@ -281,7 +293,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
                               "step_seconds": step_times, "stats": stats_of()}
     if kind != ONEBITADAM:
         record["stats"]["error_feedback"] = comp.error_feedback
-    if rank == 0:
+    if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
         record["final_train_loss"], record["test_accuracy"] = evaluate(model, data)
     return record
 

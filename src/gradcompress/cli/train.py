@@ -18,7 +18,7 @@ import os
 
 from .common import nonnegative_int, positive_float, positive_int
 from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes, load_data,
-                   onebitadam_problem, scheme_name, summarize, train_worker)
+                   onebitadam_problem, scheme_name, split_scheme, summarize, train_worker)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "terngrad, int8/int4 with stochastic=true, randomk with scale=true)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed (default 0)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (fully_shard per layer and on the root) and compress its "
+                        "reduce-scatter (gradcompress.register_fsdp) instead of DDP's all-reduce")
     p.add_argument("--out", default=None, help="folder for results.json (default: write nothing)")
     p.set_defaults(run=run)
     return p
@@ -67,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
         problem = onebitadam_problem()
         if problem:
             raise CLIError(problem)
+    if args.fsdp and scheme_name(args.codec) == ONEBITADAM:
+        raise CLIError("--fsdp does not apply to onebitadam (it averages unsharded momenta itself)")
+    if args.fsdp:
+        from ..adapters.fsdp import check_codec
+
+        try:
+            check_codec(split_scheme(args.codec)[0])
+        except ValueError as err:
+            raise CLIError(str(err)) from None
     out_dir = check_out_dir(args.out) if args.out else None
     warmup = 5 if args.warmup_steps is None else args.warmup_steps
     scheme = args.codec.strip()
@@ -74,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
     cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                     warmup_steps=warmup, seed=args.seed,
-                    error_feedback="auto" if args.error_feedback is None else args.error_feedback)
+                    error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp)
 
     if under_torchrun():
         records, world, rank = _run_torchrun(cfg)
@@ -87,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = summarize(records, cfg, world)
     ratio = summary["ratio"]
-    print(f"{cfg.scheme}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
+    print(f"{cfg.scheme}{' (FSDP)' if cfg.fsdp else ''}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
           f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker, "
           f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
           f"{1000 * summary['step_seconds']:.1f} ms/step")
