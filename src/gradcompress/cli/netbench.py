@@ -57,6 +57,9 @@ MODELS = ("mlp", "cnn", "tiny")
 PORT = 29500
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
+#: FSDP mode: the uncompressed baseline's name and the default schemes
+FSDP_BASELINE = "fsdp"
+FSDP_SCHEMES = (FSDP_BASELINE, "int8", "int4", "sign", "topk:ratio=0.01")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -174,17 +177,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="torch threads per worker (default: CPU cores / workers, at least 1)")
     p.add_argument("--timeout", type=positive_int, default=900,
                    help="seconds before the whole run is stopped (default 900)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 mode: the model sharded with fully_shard (every layer and the root); the baseline "
+                        "'fsdp' is uncompressed FSDP, codec specs compress its reduce-scatter "
+                        "(gradcompress.register_fsdp). Default schemes: " + "; ".join(FSDP_SCHEMES))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
 
 
-def check_schemes(texts: list[str]) -> list[str]:
+def check_schemes(texts: list[str], fsdp: bool = False) -> list[str]:
     from ..costmodel import parse_scheme
 
     out = []
     for t in texts:
+        if fsdp and t.strip() == FSDP_BASELINE:
+            out.append(FSDP_BASELINE)
+            continue
         try:
+            if fsdp:
+                _check_fsdp_scheme(t)
             out.append(parse_scheme(t).text)
         except (ValueError, TypeError) as err:
             msg = " ".join(str(err).split())
@@ -197,6 +209,18 @@ def check_schemes(texts: list[str]) -> list[str]:
     return out
 
 
+def _check_fsdp_scheme(text: str) -> None:
+    """In FSDP mode only our codecs (not PowerSGD) and the 'fsdp' baseline apply."""
+    from ..adapters.fsdp import check_codec
+    from ..costmodel import parse_scheme
+
+    scheme = parse_scheme(text)
+    if scheme.kind != "ours":
+        raise ValueError(f"--fsdp: {text!r} is a DDP scheme; in FSDP mode the baseline is {FSDP_BASELINE!r} and "
+                         "the others are gradcompress codec specs")
+    check_codec(scheme.codec)
+
+
 # --------------------------------------------------------------------------- the parent
 def run(args: argparse.Namespace) -> int:
     from .. import netns
@@ -205,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     why = netns.problem()
     if why:
         raise CLIError(why)
-    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(DEFAULT_SCHEMES))
+    defaults = FSDP_SCHEMES if args.fsdp else DEFAULT_SCHEMES
+    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp)
     if not schemes:
         raise CLIError("--schemes is empty")
     if args.warmup < MIN_WARMUP:
@@ -219,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--latency needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM); "
                        "run without --latency")
     result = bench(schemes, args.workers, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
-                   args.batch_size, args.threads, args.timeout)
+                   args.batch_size, args.threads, args.timeout, args.fsdp)
     if args.json:
         print(json.dumps(result, indent=1, allow_nan=False))
     else:
@@ -228,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
-          batch_size: int, threads: int | None, timeout: float) -> dict:
+          batch_size: int, threads: int | None, timeout: float, fsdp: bool = False) -> dict:
     """Build the testbed, run every scheme on every host, tear everything down; the merged result."""
     from .. import launch, netns
 
@@ -263,6 +288,7 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
             cfg = {"parent": os.getpid(), "rank": rank, "world": workers, "master": bed.addresses[0], "port": PORT, "model": model,
                    "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
                    "threads": threads, "ifname": bed.ifname, "out": os.path.join(tmp, f"rank{rank}.json"),
+                   "fsdp": fsdp,
                    "collective_timeout": max(60.0, min(timeout, 600.0))}
             path = os.path.join(tmp, f"rank{rank}.cfg.json")
             with open(path, "w") as f:
@@ -312,7 +338,7 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
                 signal.signal(sig, handler)
             if mask is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    return merge(records, schemes, workers, rate_bit, latency_s, model, steps, warmup, batch_size, threads)
+    return merge(records, schemes, workers, rate_bit, latency_s, model, steps, warmup, batch_size, threads, fsdp)
 
 
 def _echo_progress(path: str, stop: threading.Event) -> None:
@@ -352,7 +378,7 @@ def _fmt_rate(bit: float) -> str:
 
 
 def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str,
-          steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+          steps: int, warmup: int, batch_size: int, threads: int, fsdp: bool = False) -> dict:
     """Every rank's records into the per-scheme figures (see the module docstring)."""
     from ..costmodel import parse_scheme, wire_bytes
 
@@ -362,9 +388,13 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         recs = [r["schemes"][i] for r in records]
         per_step = [max(r["step_seconds"][k] for r in recs) for k in range(steps)]
         iface = [r["iface_tx_bytes"] / steps for r in recs]
-        scheme = parse_scheme(text)
-        cap = recs[0]["bucket_cap_bytes"]
-        model_bytes = wire_bytes(scheme, shapes, workers, cap)
+        if text == FSDP_BASELINE:  # the reduce-scatter only: (W-1)/W of the float32 gradient
+            kind = "fsdp"
+            model_bytes = (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
+        else:
+            scheme = parse_scheme(text)
+            kind = scheme.kind
+            model_bytes = wire_bytes(scheme, shapes, workers, recs[0]["bucket_cap_bytes"])
         if recs[0]["wire_bytes"] is not None:
             wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / steps, "stats"
         else:
@@ -373,7 +403,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         wait = [r["comm_seconds"] for r in recs if r.get("comm_seconds") is not None]
         rows.append({
             "scheme": text,
-            "kind": scheme.kind,
+            "kind": kind,
             "median_step_s": statistics.median(per_step),
             "step_s": per_step,
             "iface_tx_bytes_per_step": statistics.fmean(iface),
@@ -388,8 +418,8 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
             "error_feedback": recs[0]["error_feedback"],
             "final_loss": recs[0]["loss"],
         })
-    base = next((r for r in rows if r["scheme"] == "ddp"), None) or next((r for r in rows if r["scheme"] == "none"),
-                                                                          None)
+    base = next((r for r in rows if r["scheme"] in ("ddp", FSDP_BASELINE)), None) or \
+        next((r for r in rows if r["scheme"] == "none"), None)
     for r in rows:
         r["speedup"] = base["median_step_s"] / r["median_step_s"] if base and r["median_step_s"] > 0 else None
     return {
@@ -398,6 +428,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         "bandwidth_bit": rate_bit,
         "latency_s": latency_s,
         "model": model,
+        "fsdp": fsdp,
         "params": sum(math.prod(s) for s in shapes),
         "shapes": [list(s) for s in shapes],
         "batch_size": batch_size,
@@ -442,7 +473,8 @@ def format_table(result: dict) -> str:
                      str(r["buckets"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lat = f", {result['latency_s'] * 1e3:g} ms one-way delay" if result["latency_s"] else ""
-    lines = [f"{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
+    mode = "FSDP2 (fully_shard per layer and root), " if result.get("fsdp") else ""
+    lines = [f"{mode}{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
              f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
              f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
              f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step (one worker alone: "
@@ -573,13 +605,19 @@ def _worker(cfg: dict) -> None:
 
     records = []
     for i, text in enumerate(cfg["schemes"]):
-        scheme = parse_scheme(text)
         model = build_model(name)
-        cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-        comp = None
-        ef = default_error_feedback(scheme)
-        if scheme.kind == "torch-fp16":
+        if cfg.get("fsdp"):
+            ddp, comp, ef, cap_mb = _fsdp_setup(model, text)
+            scheme = None
+        else:
+            scheme = parse_scheme(text)
+            cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+            comp = None
+            ef = default_error_feedback(scheme)
+        if scheme is None:
+            pass
+        elif scheme.kind == "torch-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -619,9 +657,12 @@ def _worker(cfg: dict) -> None:
         dist.barrier()
         time.sleep(0.05)
         tx1 = _read_tx(cfg["ifname"])
-        logging = ddp._get_ddp_logging_data()
-        sizes = str(logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes") or "")
-        buckets = len([s for s in sizes.split(",") if s.strip()])
+        if cfg.get("fsdp"):
+            buckets = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+        else:
+            logging = ddp._get_ddp_logging_data()
+            sizes = str(logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes") or "")
+            buckets = len([s for s in sizes.split(",") if s.strip()])
         records.append({
             "scheme": text,
             "step_seconds": step_times,
@@ -647,6 +688,22 @@ def _worker(cfg: dict) -> None:
     os.replace(cfg["out"] + ".part", cfg["out"])
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fsdp_setup(model, text: str):
+    """FSDP mode: shard every layer that holds parameters, then the root; compress unless the baseline."""
+    from torch.distributed.fsdp import fully_shard
+
+    import gradcompress
+
+    for m in list(model.modules())[1:]:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    fully_shard(model)
+    if text == FSDP_BASELINE:
+        return model, None, None, None
+    comp = gradcompress.register_fsdp(model, text, warmup_steps=COMPRESSOR_WARMUP, seed=0)
+    return model, comp, comp.error_feedback, None
 
 
 def worker_main(argv: list[str]) -> int:
