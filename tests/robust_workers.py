@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import gradcompress
 from gradcompress.cli.task import split_scheme
-from workers import batch, make_model
+from workers import _train_checkpoint, batch, make_model
 
 
 def compressor(scheme: str, **extra) -> gradcompress.Compressor:
@@ -181,31 +181,11 @@ def momentum_correction(rank, world, steps=4):
 
 
 def checkpoint_runs(rank, world, schemes, steps, save_at, path, resume):
-    """DDP + hook per scheme; optionally save at ``save_at`` (and stop) or resume; final params."""
+    """DDP + hook per scheme; optionally save at ``save_at`` (and stop) or resume; final params, state sizes."""
     out = {}
     for i, scheme in enumerate(schemes):
         torch.manual_seed(0)
-        model = make_model()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
-        comp = compressor(scheme, min_numel=256)
-        comp.register(ddp)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        start = 0
-        if resume:
-            state = torch.load(f"{path}.{i}.{rank}", weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            comp.load_state_dict(state["compressor"])
-            start = state["step"]
-        for step in range(start, steps):
-            if step == save_at and not resume:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "compressor": comp.state_dict(), "step": step}, f"{path}.{i}.{rank}")
-                break
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        out[scheme] = ([p.detach().clone() for p in model.parameters()],
-                       {n: len(v) for n, v in comp.state_dict().items() if isinstance(v, dict)})
+        params, comp = _train_checkpoint(rank, scheme, steps, save_at, f"{path}.{i}", resume,
+                                         compressor(scheme, min_numel=256), momentum=0.0)
+        out[scheme] = (params, {n: len(v) for n, v in comp.state_dict().items() if isinstance(v, dict)})
     return out

@@ -150,15 +150,18 @@ def train_checkpoint(rank, world, specs, steps, save_at, path, resume):
     """For each spec: DDP + hook; optionally save at ``save_at`` (and stop) or resume; final params."""
     out = {"initial": [p.detach().clone() for p in make_model().parameters()]}
     for i, spec in enumerate(specs):
-        out[spec] = _train_checkpoint(rank, spec, steps, save_at, f"{path}.{i}", resume)
+        out[spec] = _train_checkpoint(rank, spec, steps, save_at, f"{path}.{i}", resume)[0]
     return out
 
 
-def _train_checkpoint(rank, spec, steps, save_at, path, resume):
+def _train_checkpoint(rank, spec, steps, save_at, path, resume, compressor=None, momentum=0.9):
+    """DDP training with a checkpoint cut; ``compressor``: the Compressor to register (default: ``spec``'s)."""
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
-    comp = gradcompress.register_ddp_hook(ddp, spec, min_numel=256, warmup_steps=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if compressor is None:
+        compressor = gradcompress.Compressor(spec, min_numel=256, warmup_steps=1)
+    comp = compressor.register(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     start = 0
     if resume:
         state = torch.load(f"{path}.{rank}", weights_only=True)
@@ -175,7 +178,7 @@ def _train_checkpoint(rank, spec, steps, save_at, path, resume):
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], comp
 
 
 def nonfinite_steps(rank, world, specs, mode):
