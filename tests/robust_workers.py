@@ -132,6 +132,10 @@ def memory_formats(rank, world, specs, steps=3):
     return out
 
 
+def fixed_gradients_pair(rank, world, schemes, steps, checkpoints):
+    return [fixed_gradients(rank, world, s, steps, checkpoints) for s in schemes]
+
+
 def fixed_gradients(rank, world, scheme, steps, checkpoints):
     """Every step the same per-rank gradient; the running mean of what synchronize() delivers.
 

@@ -66,6 +66,7 @@ class RunConfig:
     hidden: int = 256
     progress_every: int = 5
     fsdp: bool = False
+    diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
 
     def kind(self) -> str:
         """``"onebitadam"`` or ``"sgd"``."""
@@ -254,9 +255,18 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         opt = OneBitAdam(model.parameters(), **cfg.onebitadam_options())
         net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
     else:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        net = None if cfg.diloco or cfg.fsdp else \
+            nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         codec, options = cfg.compressor()
-        if cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
+        if cfg.diloco:  # DiLoCo: the bare model, the outer gradient through the codec every H steps
+            from ..optim import DiLoCo
+
+            net = model
+            inner = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
+            opt = DiLoCo(model, inner, sync_every=cfg.diloco, codec=codec, seed=cfg.seed,
+                         error_feedback=options["error_feedback"])
+            comp = opt
+        elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
             from torch.distributed.fsdp import fully_shard
 
             net = model
@@ -268,7 +278,8 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             comp = gradcompress.register_fsdp(model, codec, **options)
         else:
             comp = gradcompress.register_ddp_hook(net, codec, **options)
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
+        if not cfg.diloco:
+            opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
         stats_of = comp.stats
 
     losses, cum_bytes, step_times = [], [], []
@@ -292,7 +303,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
                               "step_seconds": step_times, "stats": stats_of()}
     if kind != ONEBITADAM:
-        record["stats"]["error_feedback"] = comp.error_feedback
+        record["stats"]["error_feedback"] = (comp.compressor if cfg.diloco else comp).error_feedback
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
         record["final_train_loss"], record["test_accuracy"] = evaluate(model, data)
     return record

@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "terngrad, int8/int4 with stochastic=true, randomk with scale=true)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed (default 0)")
+    p.add_argument("--diloco", type=positive_int, default=None, metavar="H",
+                   help="DiLoCo: H local SGD steps per worker, then the outer gradient averaged through the codec "
+                        "(gradcompress.optim.DiLoCo, outer SGD lr 0.7 with Nesterov momentum 0.9; no DDP)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard the model with FSDP2 (fully_shard per layer and on the root) and compress its "
                         "reduce-scatter (gradcompress.register_fsdp) instead of DDP's all-reduce")
@@ -72,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(problem)
     if args.fsdp and scheme_name(args.codec) == ONEBITADAM:
         raise CLIError("--fsdp does not apply to onebitadam (it averages unsharded momenta itself)")
+    if args.diloco and (args.fsdp or scheme_name(args.codec) == ONEBITADAM):
+        raise CLIError("--diloco takes a codec for the outer gradient; it does not combine with --fsdp or onebitadam")
     if args.fsdp:
         from ..adapters.fsdp import check_codec
 
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
     cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                     warmup_steps=warmup, seed=args.seed,
-                    error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp)
+                    error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp,
+                    diloco=args.diloco or 0)
 
     if under_torchrun():
         records, world, rank = _run_torchrun(cfg)
@@ -99,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
     summary = summarize(records, cfg, world)
     ratio = summary["ratio"]
-    print(f"{cfg.scheme}{' (FSDP)' if cfg.fsdp else ''}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
+    mode = " (FSDP)" if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
+    print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
           f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker, "
           f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
           f"{1000 * summary['step_seconds']:.1f} ms/step")

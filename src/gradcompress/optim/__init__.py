@@ -3,8 +3,13 @@
 :class:`OneBitAdam`: 1-bit Adam (Tang et al., 2021), dense Adam during warm-up, then a
 frozen variance and the momentum averaged through a 1-bit compressed all-reduce with
 worker- and server-side error feedback.
+
+:class:`DiLoCo`: low-communication training (Douillard et al., 2023): H local steps of any
+inner optimizer, then the outer gradient averaged through a Compressor (any codec) and
+applied by an outer optimizer (SGD with Nesterov momentum).
 """
 
+from .diloco import DiLoCo
 from .onebit_adam import OneBitAdam
 
-__all__ = ["OneBitAdam"]
+__all__ = ["DiLoCo", "OneBitAdam"]
