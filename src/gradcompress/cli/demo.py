@@ -41,8 +41,8 @@ import threading
 import time
 
 from .common import nonnegative_int, positive_float, positive_int, split_schemes  # noqa: F401
-from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
-                   load_data, onebitadam_problem, scheme_name, summarize)
+from .task import (ONEBITADAM, TASK_NAMES, TASKS, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
+                   onebitadam_problem, scheme_name, summarize)
 
 DEFAULT_SCHEMES = (
     "none",
@@ -66,7 +66,8 @@ DEFAULT_OUT = "./gradcompress-report/"
 # --------------------------------------------------------------------------- arguments
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "demo", help="train the digits MLP once per scheme on local workers; table, results.json, report.png",
+        "demo", help="train a task once per scheme on local workers (digits MLP, or --task lm); table, "
+                     "results.json, report.png",
         description="Train a small MLP on scikit-learn's digits once per compression scheme, on --workers "
                     "local processes (gloo, loopback), and compare bytes sent, codec time, loss and test "
                     "accuracy. Writes results.json and report.png into --out. Defaults take about 3 minutes "
@@ -78,8 +79,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "  gradcompress demo --schemes none --schemes topk:ratio=0.01,values=int8\n"
                "  gradcompress demo --schemes none int8 powersgd:rank=2\n"
                "Default schemes: " + "; ".join(DEFAULT_SCHEMES) + "\n"
-               "Error feedback is on for biased codecs and off for none, qsgd, terngrad and other unbiased "
-               "stochastic ones (whose residual would grow without bound); every run starts from the same "
+               "Every option at the library's default (error feedback 'auto': on for biased codecs, off for none, "
+               "fp16/bf16 and the unbiased ones); Compressor options may follow a codec's "
+               "(sign:momentum=0.9), and int4:diloco=25 runs DiLoCo with int4 outer gradients; every run starts "
+               "from the same "
                "weights and sees the same minibatches. results.json holds the table's figures plus the per-step "
                "loss and cumulative bytes.")
     p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC",
@@ -87,10 +90,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=positive_int, default=4, help="number of local worker processes (default 4)")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                    help=f"training steps per scheme (default {DEFAULT_STEPS})")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
+    p.add_argument("--task", choices=TASK_NAMES, default="digits",
+                   help="digits: the MLP on scikit-learn's digits with SGD (default); lm: a byte-level transformer "
+                        "on Python's documentation text with AdamW and cosine decay, where compression can fail")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="minibatch per worker (default 32 digits, 16 windows of 64 bytes for lm)")
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="learning rate (default 0.05 for SGD schemes; onebitadam uses 1e-3 unless its spec "
-                        "sets lr, e.g. onebitadam:lr=0.002; its eps defaults to 1e-4 here)")
+                   help="learning rate (default 0.05 SGD for digits, 3e-3 AdamW for lm; onebitadam uses 1e-3 "
+                        "(lm 3e-3) unless its spec sets lr, e.g. onebitadam:lr=0.002)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=5,
                    help="dense steps before compression starts (Compressor warmup_steps, default 5)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
@@ -168,13 +175,15 @@ def run(args: argparse.Namespace) -> int:
     if not schemes:
         raise CLIError("no scheme left to run")
 
-    configs = [RunConfig(scheme=s, steps=args.steps, batch_size=args.batch_size,
+    batch_size = args.batch_size or (16 if args.task == "lm" else 32)
+    configs = [RunConfig(scheme=s, steps=args.steps, batch_size=batch_size,
                          lr=None if scheme_name(s) == ONEBITADAM else args.lr,  # Adam keeps its own lr
-                         warmup_steps=args.warmup_steps, seed=args.seed) for s in schemes]
-    data = load_data(args.seed)
+                         warmup_steps=args.warmup_steps, seed=args.seed, task=args.task) for s in schemes]
+    data = TASKS[args.task].load(args.seed)
+    sizes = (f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test" if args.task == "digits" else
+             f"lm: {len(data['train'])} train / {len(data['val'])} validation bytes")
     print(f"gradcompress demo: {len(configs)} schemes x {args.steps} steps on {args.workers} workers "
-          f"(digits: {len(data['x_train'])} train / {len(data['x_test'])} test, batch {args.batch_size} "
-          f"per worker)", file=sys.stderr)
+          f"({sizes}, batch {batch_size} per worker)", file=sys.stderr)
     start = time.perf_counter()
     with Progress(schemes, args.steps, enabled=not args.no_progress) as progress:
         per_rank = launch.run(demo_worker, args.workers, data, configs, progress.queue,
@@ -182,18 +191,27 @@ def run(args: argparse.Namespace) -> int:
     runs = [summarize([r[i] for r in per_rank], cfg, args.workers) for i, cfg in enumerate(configs)]
     wall = time.perf_counter() - start
 
-    base = next((r for r in runs if scheme_name(r["scheme"]) == "none"), None)
+    base = next((r for r in runs if r["scheme"] == "none"), None)
     for r in runs:
-        r["accuracy_delta_vs_none"] = r["test_accuracy"] - base["test_accuracy"] if base else None
+        if args.task == "lm":
+            r["val_loss_vs_none_pct"] = 100 * (r["val_loss"] / base["val_loss"] - 1) if base else None
+        else:
+            r["accuracy_delta_vs_none"] = r["test_accuracy"] - base["test_accuracy"] if base else None
         r["bytes_vs_none"] = (base["bytes_per_step"] / r["bytes_per_step"]
                               if base and base["bytes_per_step"] and r["bytes_per_step"] else None)
 
     print(format_table(runs, args.workers))
+    if args.task == "lm":
+        task_info = {"name": "lm", "dataset": "pydoc_data.topics (Python's documentation text), bytes",
+                     "model": "byte-level transformer, 2 blocks, width 128, context 64 (0.47M parameters)",
+                     "train_bytes": len(data["train"]), "val_bytes": len(data["val"])}
+    else:
+        task_info = {"name": "digits", "dataset": "sklearn digits", "model": "MLP 64-256-256-10",
+                     "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])}
     result = {
         "gradcompress": __version__,
-        "task": {"dataset": "sklearn digits", "model": "MLP 64-256-256-10", "workers": args.workers,
-                 "steps": args.steps, "batch_size_per_worker": args.batch_size, "warmup_steps": args.warmup_steps,
-                 "seed": args.seed, "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])},
+        "task": {**task_info, "workers": args.workers, "steps": args.steps, "batch_size_per_worker": batch_size,
+                 "warmup_steps": args.warmup_steps, "seed": args.seed},
         "wall_seconds": wall,
         "runs": runs,
         "skipped": skipped,
@@ -214,13 +232,17 @@ def format_table(runs: list[dict], workers: int) -> str:
     def f(v, fmt, none="n/a"):
         return none if v is None else format(v, fmt)
 
-    head = ("scheme", "bytes/step", "ratio", "codec %", "train loss", "test acc", "vs none")
+    lm = any(r.get("val_loss") is not None for r in runs)
+    head = ("scheme", "bytes/step", "ratio", "codec %", "train loss", "val loss" if lm else "test acc", "vs none")
     rows = [head]
     for r in runs:
+        metric = f(r["val_loss"], ".4f") if lm else f(r["test_accuracy"], ".2f") + "%"
+        delta = f(r.get("val_loss_vs_none_pct"), "+.1f", "") + ("%" if r.get("val_loss_vs_none_pct") is not None
+                                                                else "") if lm else \
+            f(r.get("accuracy_delta_vs_none"), "+.2f", "")
         rows.append((r["scheme"], human_bytes(r["bytes_per_step"]), f(r["ratio"], ".1f"),
                      f(None if r["codec_share"] is None else 100 * r["codec_share"], ".1f"),
-                     f(r["final_train_loss"], ".4f"), f(r["test_accuracy"], ".2f") + "%",
-                     f(r["accuracy_delta_vs_none"], "+.2f", "")))
+                     f(r["final_train_loss"], ".4f"), metric, delta))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for k, row in enumerate(rows):
@@ -232,9 +254,11 @@ def format_table(runs: list[dict], workers: int) -> str:
                  f"ratio: gradient bytes / transmitted bytes (stats()['ratio']; dense all-reduce on {workers} "
                  f"workers is {workers / (2 * (workers - 1)):.2f})" if workers > 1 else
                  "bytes/step: bytes transmitted per step; ratio: gradient bytes / transmitted bytes")
-    lines.append("codec %: encode/decode/state time (stats()['codec_seconds']) as a share of the step time; "
-                 "train loss: over the whole training split after the last step; vs none: test accuracy "
-                 "difference in points")
+    lines.append("codec %: encode/decode/state time (stats()['codec_seconds']) as a share of the step time; " + (
+        "train loss: mean of the last 20 minibatches; val loss: next-byte cross-entropy (nats) on the held-out "
+        "split; vs none: validation loss difference in %" if lm else
+        "train loss: over the whole training split after the last step; vs none: test accuracy difference in "
+        "points"))
     return "\n".join(lines)
 
 
@@ -270,15 +294,21 @@ def plot(runs: list[dict], path: str, workers: int) -> None:
                 title="loss vs bytes sent")
     axes[0].legend(fontsize=7, ncol=2)
     names = [r["scheme"] for r in runs]
-    accs = [r["test_accuracy"] for r in runs]
-    bars = axes[2].barh(range(len(runs)), accs, color=[cmap(i % 20) for i in range(len(runs))])
-    for b, a in zip(bars, accs):
-        axes[2].text(b.get_width(), b.get_y() + b.get_height() / 2, f" {a:.1f}", va="center", fontsize=8)
+    lm = any(r.get("val_loss") is not None for r in runs)
+    values = [r["val_loss"] if lm else r["test_accuracy"] for r in runs]
+    bars = axes[2].barh(range(len(runs)), values, color=[cmap(i % 20) for i in range(len(runs))])
+    for b, a in zip(bars, values):
+        axes[2].text(b.get_width(), b.get_y() + b.get_height() / 2, f" {a:.3f}" if lm else f" {a:.1f}",
+                     va="center", fontsize=8)
     axes[2].set_yticks(range(len(runs)), names, fontsize=8)
     axes[2].invert_yaxis()
-    lo = max(0.0, min(accs) - 10)
-    axes[2].set(xlim=(lo, 100), xlabel="test accuracy (%)", title="test accuracy")
-    fig.suptitle(f"gradcompress demo: digits MLP, {workers} workers, {steps} steps")
+    if lm:
+        axes[2].set(xlim=(min(values) * 0.9, max(values) * 1.05), xlabel="validation loss (nats per byte)",
+                    title="validation loss (lower is better)")
+    else:
+        axes[2].set(xlim=(max(0.0, min(values) - 10), 100), xlabel="test accuracy (%)", title="test accuracy")
+    title = "byte-level transformer on Python's docs" if lm else "digits MLP"
+    fig.suptitle(f"gradcompress demo: {title}, {workers} workers, {steps} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..spec import parse
 from .common import CLIError, check_out_dir, human_bytes, one_line  # noqa: F401  (re-exported for the CLI)
 
 ONEBITADAM = "onebitadam"
@@ -41,6 +42,9 @@ IN_FEATURES, CLASSES = 64, 10
 
 
 # --------------------------------------------------------------------------- configuration
+#: scheme options that configure the run: ``int4:diloco=25`` trains with DiLoCo, H = 25, int4 outer gradients
+RUN_OPTIONS = ("diloco",)
+TASK_NAMES = ("digits", "lm")
 #: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
 COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps")
 
@@ -65,8 +69,19 @@ class RunConfig:
     seed: int = 0
     hidden: int = 256
     progress_every: int = 5
+    task: str = "digits"
     fsdp: bool = False
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise CLIError(f"unknown task {self.task!r}; tasks: {', '.join(TASK_NAMES)}")
+        if self.kind() != ONEBITADAM:
+            h = parse(self.scheme).get("diloco")
+            if h is not None:
+                if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+                    raise CLIError(f"diloco must be an integer >= 1 (inner steps per sync), got {h!r}")
+                self.diloco = h
 
     def kind(self) -> str:
         """``"onebitadam"`` or ``"sgd"``."""
@@ -90,27 +105,30 @@ class RunConfig:
         return 0.0 if self.momentum_corrected() else self.momentum
 
     def onebitadam_options(self) -> dict:
-        from ..spec import parse
-
         opts = parse(self.scheme)
         opts.pop("name")
-        opts.setdefault("lr", self.lr if self.lr is not None else 1e-3)
+        opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
         opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
         return opts
 
     def learning_rate(self) -> float:
         if self.kind() == ONEBITADAM:
             return float(self.onebitadam_options()["lr"])
-        return self.lr if self.lr is not None else 0.05
+        return self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 0.05)
 
     def optimizer_text(self) -> str:
         if self.kind() == ONEBITADAM:
             o = self.onebitadam_options()
             extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay") if k in o)
             return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra})"
+        outer = f"DiLoCo(H={self.diloco}, outer SGD lr 0.7 Nesterov 0.9) over " if self.diloco else ""
+        if self.task == "lm":
+            beta1 = 0 if self.momentum_corrected() else 0.9
+            return f"{outer}AdamW(lr={self.learning_rate():g}, betas=({beta1:g}, 0.95), cosine)" + \
+                ("; momentum correction in the compressor" if self.momentum_corrected() else "")
         if self.momentum_corrected():
-            return f"SGD(lr={self.learning_rate():g}, momentum=0; momentum correction in the compressor)"
-        return f"SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
+            return f"{outer}SGD(lr={self.learning_rate():g}, momentum=0; momentum correction in the compressor)"
+        return f"{outer}SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
 
 
 def scheme_name(scheme: str) -> str:
@@ -126,10 +144,11 @@ def split_scheme(scheme: str):
     import dataclasses as dc
 
     import gradcompress
-    from ..spec import parse
 
     opts = parse(scheme)
     name = opts.pop("name")
+    for key in RUN_OPTIONS:
+        opts.pop(key, None)
     codec_fields = {f.name for f in dc.fields(gradcompress.make(name)) if f.init}
     compressor = {k: opts.pop(k) for k in list(opts) if k not in codec_fields and k in COMPRESSOR_OPTIONS}
     codec = gradcompress.make({"name": name, **opts})
@@ -146,8 +165,6 @@ def check_scheme(scheme: str) -> str:
     if not isinstance(scheme, str) or not scheme.strip():
         raise CLIError(f"empty scheme; valid schemes: {valid}")
     if scheme_name(scheme) == ONEBITADAM:
-        from ..spec import parse
-
         try:
             opts = parse(scheme)
         except ValueError as err:
@@ -168,7 +185,10 @@ def check_scheme(scheme: str) -> str:
         if "unknown codec" in msg:
             msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
         raise CLIError(msg) from None
-    extra = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+    run = {k: v for k, v in parse(scheme).items() if k in RUN_OPTIONS}
+    if "diloco" in run and (isinstance(run["diloco"], bool) or not isinstance(run["diloco"], int) or run["diloco"] < 1):
+        raise CLIError(f"diloco must be an integer >= 1 (inner steps per sync), got {run['diloco']!r}")
+    extra = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in {**options, **run}.items())
     return codec.spec + ((":" if ":" not in codec.spec else ",") + extra if extra else "")
 
 
@@ -244,9 +264,11 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     import gradcompress
 
     data = {k: v.to(device) for k, v in data.items()}
-    model = make_model(cfg.seed, cfg.hidden).to(device)
-    batches = Batches(data["x_train"], data["y_train"], rank, world, cfg.batch_size, cfg.seed)
+    task = TASKS[cfg.task]
+    model = task.make_model(cfg).to(device)
+    batches = task.batches(data, rank, world, cfg)
     kind = cfg.kind()
+    scheduler = None
     if kind == ONEBITADAM:
         from ..optim import OneBitAdam
 
@@ -258,38 +280,39 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         net = None if cfg.diloco or cfg.fsdp else \
             nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         codec, options = cfg.compressor()
+        inner = task.optimizer(model.parameters(), cfg)
         if cfg.diloco:  # DiLoCo: the bare model, the outer gradient through the codec every H steps
             from ..optim import DiLoCo
 
             net = model
-            inner = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
             opt = DiLoCo(model, inner, sync_every=cfg.diloco, codec=codec, seed=cfg.seed,
                          error_feedback=options["error_feedback"])
-            comp = opt
+            comp = opt.compressor
         elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
             from torch.distributed.fsdp import fully_shard
 
-            net = model
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
+            net, opt = model, inner
+            for unit in task.shard_units(model):
+                fully_shard(unit)
             fully_shard(model)
             options.pop("min_numel")
             comp = gradcompress.register_fsdp(model, codec, **options)
         else:
+            opt = inner
             comp = gradcompress.register_ddp_hook(net, codec, **options)
-        if not cfg.diloco:
-            opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
-        stats_of = comp.stats
+        scheduler = task.scheduler(inner, cfg)
+        stats_of = opt.stats if cfg.diloco else comp.stats
 
     losses, cum_bytes, step_times = [], [], []
     for step in range(cfg.steps):
         x, y = batches.next()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(net(x), y)
+        loss = task.loss(net(x), y)
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         value = loss.item()  # also waits for the device
         step_times.append(time.perf_counter() - start)
         losses.append(value)
@@ -303,10 +326,94 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
                               "step_seconds": step_times, "stats": stats_of()}
     if kind != ONEBITADAM:
-        record["stats"]["error_feedback"] = (comp.compressor if cfg.diloco else comp).error_feedback
+        record["stats"]["error_feedback"] = comp.error_feedback
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
-        record["final_train_loss"], record["test_accuracy"] = evaluate(model, data)
+        record.update(task.evaluate(model, data, losses))
     return record
+
+
+class DigitsTask:
+    """The digits MLP with SGD (momentum 0.9, none when the compressor corrects momentum)."""
+
+    name = "digits"
+
+    def load(self, seed: int):
+        return load_data(seed)
+
+    def make_model(self, cfg):
+        return make_model(cfg.seed, cfg.hidden)
+
+    def batches(self, data, rank, world, cfg):
+        return Batches(data["x_train"], data["y_train"], rank, world, cfg.batch_size, cfg.seed)
+
+    def optimizer(self, params, cfg):
+        return torch.optim.SGD(params, lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
+
+    def scheduler(self, optimizer, cfg):
+        return None
+
+    def loss(self, out, y):
+        return nn.functional.cross_entropy(out, y)
+
+    def shard_units(self, model):
+        return [m for m in model if isinstance(m, nn.Linear)]
+
+    def evaluate(self, model, data, losses):
+        train_loss, acc = evaluate(model, data)
+        return {"final_train_loss": train_loss, "test_accuracy": acc}
+
+
+class LMTask:
+    """The byte-level transformer of :mod:`gradcompress.cli.lm` with AdamW and cosine decay. With momentum
+    correction in the compressor (``sign:momentum=0.9``, ``dgc``) AdamW runs with beta1 = 0: its first
+    moment is then the compressor's momentum-corrected, error-fed update."""
+
+    name = "lm"
+
+    def load(self, seed: int):
+        from . import lm
+
+        return lm.load_text()
+
+    def make_model(self, cfg):
+        from . import lm
+
+        return lm.make_model(cfg.seed)
+
+    def batches(self, data, rank, world, cfg):
+        from . import lm
+
+        return lm.Windows(data["train"], rank, cfg.batch_size, cfg.seed)
+
+    def optimizer(self, params, cfg):
+        from . import lm
+
+        beta1 = 0.0 if cfg.momentum_corrected() else lm.BETAS[0]
+        return torch.optim.AdamW(params, lr=cfg.learning_rate(), betas=(beta1, lm.BETAS[1]),
+                                 weight_decay=lm.WEIGHT_DECAY)
+
+    def scheduler(self, optimizer, cfg):
+        from . import lm
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lm.cosine(s, cfg.steps))
+
+    def loss(self, out, y):
+        from . import lm
+
+        return lm.loss_fn(out, y)
+
+    def shard_units(self, model):
+        return list(model.blocks)
+
+    def evaluate(self, model, data, losses):
+        from . import lm
+
+        tail = losses[-20:]
+        return {"final_train_loss": sum(tail) / len(tail), "val_loss": lm.validation_loss(model, data["val"])}
+
+
+TASKS = {"digits": DigitsTask(), "lm": LMTask()}
+assert tuple(TASKS) == TASK_NAMES
 
 
 def demo_worker(rank: int, world: int, data: dict, configs: list[RunConfig], progress=None) -> list[dict]:
@@ -363,7 +470,9 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "codec_seconds": codec,
         "codec_share": codec / step_seconds if codec is not None and step_seconds > 0 else None,
         "final_train_loss": r0["final_train_loss"],
-        "test_accuracy": r0["test_accuracy"],
+        "test_accuracy": r0.get("test_accuracy"),
+        "val_loss": r0.get("val_loss"),
+        "task": cfg.task,
         "loss": loss,
         "cumulative_bytes": cum if None not in cum else None,
         "stats": {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()},

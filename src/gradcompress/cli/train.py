@@ -17,8 +17,8 @@ import json
 import os
 
 from .common import nonnegative_int, positive_float, positive_int
-from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes, load_data,
-                   onebitadam_problem, scheme_name, split_scheme, summarize, train_worker)
+from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes,
+                   onebitadam_problem, scheme_name, split_scheme, summarize, train_worker, TASKS)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -48,8 +48,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="keep the compression error and add it to the next gradient (default: the library's "
                         "'auto': on for biased codecs, off for none, fp16/bf16 and the unbiased ones: qsgd, "
                         "terngrad, int8/int4 with stochastic=true, randomk with scale=true)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="minibatch per worker (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="minibatch per worker (default 32; lm: 16 windows of 64 bytes)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed (default 0)")
+    p.add_argument("--task", choices=("digits", "lm"), default="digits",
+                   help="digits (default) or lm: a byte-level transformer on Python's docs with AdamW")
     p.add_argument("--diloco", type=positive_int, default=None, metavar="H",
                    help="DiLoCo: H local SGD steps per worker, then the outer gradient averaged through the codec "
                         "(gradcompress.optim.DiLoCo, outer SGD lr 0.7 with Nesterov momentum 0.9; no DDP)")
@@ -89,24 +92,27 @@ def run(args: argparse.Namespace) -> int:
     scheme = args.codec.strip()
     if scheme_name(scheme) == ONEBITADAM and args.warmup_steps is not None and "warmup_steps" not in scheme:
         scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
-    cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+    batch_size = args.batch_size or (16 if args.task == "lm" else 32)
+    cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=batch_size, lr=args.lr,
                     warmup_steps=warmup, seed=args.seed,
                     error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp,
-                    diloco=args.diloco or 0)
+                    diloco=args.diloco or 0, task=args.task)
 
     if under_torchrun():
         records, world, rank = _run_torchrun(cfg)
         if rank != 0:
             return 0
     else:
-        data = load_data(args.seed)
+        data = TASKS[args.task].load(args.seed)
         world, rank = args.workers, 0
         records = launch.run(train_worker, world, data, cfg, timeout=120 + 2.0 * args.steps)
 
     summary = summarize(records, cfg, world)
     ratio = summary["ratio"]
     mode = " (FSDP)" if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
-    print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, test accuracy {summary['test_accuracy']:.2f}%, "
+    metric = (f"validation loss {summary['val_loss']:.4f}" if args.task == "lm" else
+              f"test accuracy {summary['test_accuracy']:.2f}%")
+    print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, {metric}, "
           f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker, "
           f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
           f"{1000 * summary['step_seconds']:.1f} ms/step")
@@ -133,7 +139,7 @@ def _run_torchrun(cfg: RunConfig):
     if own_group:
         dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        data = load_data(cfg.seed)
+        data = TASKS[cfg.task].load(cfg.seed)
         record = train_worker(rank, world, data, cfg, device)
         records = [None] * world if rank == 0 else None
         dist.gather_object(record, records, dst=0)
