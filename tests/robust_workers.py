@@ -193,3 +193,36 @@ def checkpoint_runs(rank, world, schemes, steps, save_at, path, resume):
                                          compressor(scheme, min_numel=256), momentum=0.0)
         out[scheme] = (params, {n: len(v) for n, v in comp.state_dict().items() if isinstance(v, dict)})
     return out
+
+
+def telemetry(rank, world, specs, steps=3, every=2):
+    """synchronize() with and without monitor_every on the same gradients; the monitored step's figures
+    against a direct computation from every rank's gradients."""
+    out = {}
+    for spec in specs:
+        runs = {}
+        for every_n in (0, every):
+            torch.manual_seed(0)
+            params = [nn.Parameter(torch.zeros(64, 80)), nn.Parameter(torch.zeros(300))]
+            comp = gradcompress.Compressor(spec, monitor_every=every_n, min_numel=1000)
+            g = torch.Generator().manual_seed(rank)
+            direct = None
+            for step in range(steps):
+                local = [torch.randn(p.shape, generator=g) for p in params]
+                for p, t in zip(params, local):
+                    p.grad = t.clone()
+                comp.synchronize(params)
+                if step % every == 0 and every_n:
+                    exact = [t.clone() for t in local]
+                    for t in exact:
+                        dist.all_reduce(t)
+                        t /= world
+                    err2 = sum(float((p.grad - e).square().sum()) for p, e in zip(params, exact))
+                    ref2 = sum(float(e.square().sum()) for e in exact)
+                    dot = sum(float((p.grad * e).sum()) for p, e in zip(params, exact))
+                    out2 = sum(float(p.grad.square().sum()) for p in params)
+                    direct = {"relative_error": (err2 / ref2) ** 0.5, "cosine": dot / (ref2 * out2) ** 0.5,
+                              "first": float((params[0].grad - exact[0]).norm() / exact[0].norm())}
+            runs[every_n] = {"stats": comp.stats(), "direct": direct}
+        out[spec] = runs
+    return out

@@ -24,6 +24,8 @@ from .step import State, Step
 from .transforms import MomentumCorrection
 
 COLLECTIVES = ("auto", "allgather")
+#: monitored steps kept in ``stats()["monitor"]["history"]``
+MONITOR_HISTORY = 50
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -77,12 +79,18 @@ class Compressor:
         schedule: None, or ``"exp"``: ratio/rank ramp over ``ramp_steps`` after warm-up.
         residual_dtype: storage type of the error-feedback residuals (float32 default;
             ``torch.bfloat16`` halves their memory).
+        monitor_every: telemetry (0 = off). Every N-th compressed step the exact dense
+            average of the same tensors is computed too (one extra all-reduce, counted in
+            ``stats()["monitor_bytes"]``, not in ``wire_bytes``), and ``stats()["monitor"]``
+            gives the relative error ||compressed - exact|| / ||exact|| and the cosine, overall
+            and per parameter key, the residual norm (error feedback) and a short history.
+            The DDP hook and ``synchronize``; N = 100 costs about 1 % more bytes.
     """
 
     def __init__(self, spec, *, process_group=None, error_feedback="auto", server_error_feedback: bool = False,
                  momentum: float = 0.0, warmup_steps: int = 0, min_numel: int = 1024, seed: int = 0,
                  collective: str = "auto", schedule: str | None = None, ramp_steps: int = 0,
-                 residual_dtype: torch.dtype = torch.float32):
+                 residual_dtype: torch.dtype = torch.float32, monitor_every: int = 0):
         self.codec = make(spec)
         if collective not in COLLECTIVES:
             raise ValueError(f"Compressor: collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
@@ -111,6 +119,9 @@ class Compressor:
         self.schedule = schedule
         self.ramp_steps = _check_int("ramp_steps", ramp_steps, 0)
         self.residual_dtype = residual_dtype
+        self.monitor_every = _check_int("monitor_every", monitor_every, 0)
+        self._monitor: dict | None = None
+        self._monitor_history: list[tuple[int, float, float]] = []
         #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
         self.dense_codec = make("none")
         self.state = State()
@@ -178,6 +189,8 @@ class Compressor:
     def _close_step(self, step: Step, new: dict | None, counted: bool = True) -> None:
         """Called by the step at its end: commit ``new`` (None: roll back), add its counters."""
         if new is not None:
+            if step.monitor_rows:
+                self._monitor_report(step)
             self.state.commit(new)
         if counted:
             self._totals["steps"] += 1
@@ -186,6 +199,22 @@ class Compressor:
         self._totals["codec_seconds"] += step.codec_seconds
         if self.current_step is step:
             self.current_step = None
+
+    def _monitor_report(self, step: Step) -> None:
+        """Telemetry of a monitored step: relative error and cosine of the delivered average against the
+        exact one, overall and per parameter key, and the residual norm (error feedback)."""
+        rows = {k: v.tolist() for k, v in step.monitor_rows.items()}
+
+        def summary(err2, ref2, dot, out2, res2):
+            return {"relative_error": (err2 / ref2) ** 0.5 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")),
+                    "cosine": dot / (ref2 * out2) ** 0.5 if ref2 > 0 and out2 > 0 else (1.0 if err2 == 0 else 0.0),
+                    "residual_norm": res2 ** 0.5 if self.error_feedback else None}
+
+        total = [sum(r[i] for r in rows.values()) for i in range(5)]
+        overall = summary(*total)
+        self._monitor = {"step": step.index, **overall, "per_parameter": {k: summary(*r) for k, r in rows.items()}}
+        self._monitor_history = (self._monitor_history + [(step.index, overall["relative_error"],
+                                                          overall["cosine"])])[-MONITOR_HISTORY:]
 
     def keys_for(self, parameters: Iterable[torch.nn.Parameter]) -> list[int]:
         """State keys of ``parameters``: their positions as given to :meth:`index_parameters`, or,
@@ -264,6 +293,9 @@ class Compressor:
             "ratio": raw / wire if wire else float("inf") if raw else 1.0,
             "codec_seconds": self._totals["codec_seconds"],
             "comm_seconds": self._comm.comm_seconds if self._comm else 0.0,
+            "monitor_bytes": self._comm.monitor_bytes if self._comm else 0,
+            "monitor": None if self._monitor is None else {**self._monitor,
+                                                            "history": list(self._monitor_history)},
         }
 
     def state_dict(self) -> dict:

@@ -70,10 +70,16 @@ class Collectives:
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.wire_bytes = 0
+        self.monitor_bytes = 0
         self.comm_seconds = 0.0
 
-    def all_reduce(self, t: torch.Tensor):
-        self.wire_bytes += 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False):
+        """``monitor=True``: telemetry's exact average, counted in ``monitor_bytes``, not ``wire_bytes``."""
+        sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
+        if monitor:
+            self.monitor_bytes += sent
+        else:
+            self.wire_bytes += sent
         return dist.all_reduce(t, group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], object]:
@@ -125,8 +131,9 @@ class LocalCollectives(Collectives):
 
     def __init__(self, world: int = 1):  # noqa: D107 - no process group, deliberately not Collectives.__init__
         self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
+        self.monitor_bytes = 0
 
-    def all_reduce(self, t):
+    def all_reduce(self, t, monitor: bool = False):
         if self.world != 1:
             t.mul_(self.world)
         return Done()

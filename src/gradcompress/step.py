@@ -126,6 +126,10 @@ class Step:
         self._new: dict = {}  # (slot, key) -> new state, committed by end()
         self._checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
         self._launched: list = []
+        every = c.monitor_every
+        self.monitoring = every > 0 and self.codec is not None and self.index % every == 0
+        self._refs: dict = {}  # key -> what would have been averaged dense (monitoring)
+        self.monitor_rows: dict = {}  # key -> 0-d tensors (err^2, ref^2, dot, out^2, residual^2)
         self.raw_bytes = 0
         self.codec_seconds = 0.0
         self.open = True
@@ -281,10 +285,14 @@ class Step:
                     self._with_momentum(k, g)
             flat = buffer if buffer is not None else torch.cat([g.reshape(-1) for g in grads]) if grads else None
             if flat is not None and flat.numel():
-                yield from exchange.dense_mean(comm, flat)
+                exact = flat.float().clone() if self.monitoring and not force_dense else None
+                jobs = [exchange.dense_mean(comm, flat)] + ([self._monitor_mean(exact)] if exact is not None else [])
+                yield from exchange.parallel(jobs)
                 self.check(torch.isfinite(flat).all())
                 if buffer is None:
                     _scatter(flat, grads)
+                if exact is not None:
+                    self._record_monitor(keys, exact, [g.float() for g in grads])
             return
         aggregation = Aggregation.GATHER if self.compressor.collective == "allgather" else codec.aggregation
         dense, comp = [], []
@@ -306,9 +314,19 @@ class Step:
         jobs = [exchange.dense_mean(comm, dense_flat)]
         if comp:
             jobs.append(self._compressed_job(codec, aggregation, [k for k, _ in comp], inputs, outs))
+        exact = None
+        if self.monitoring and comp:  # telemetry: the exact average of the same tensors, counted apart
+            exact = torch.cat([self._refs.pop(k).reshape(-1) for k, _ in comp])
+            jobs.append(self._monitor_mean(exact))
         yield from exchange.parallel(jobs)
+        if exact is not None:
+            self._record_monitor([k for k, _ in comp], exact, outs)
         _scatter(dense_flat[:-1], [g for _, g in dense])
         self.check(torch.isfinite(dense_flat).all())
+        if self.monitoring:  # tensors that travelled dense are exact: they count with no error
+            for k, g in dense:
+                n2 = g.float().square().sum()
+                self.monitor_rows[k] = torch.stack([torch.zeros_like(n2), n2, n2, n2, torch.zeros_like(n2)])
         flag = dense_flat[-1:].float()
         for (k, g), out in zip(comp, outs):
             if not codec.preserves_nonfinite:
@@ -323,6 +341,8 @@ class Step:
         if self._momentum is not None:
             x, state = self._momentum.update(x, self.old("momentum", key))
             self.put("momentum", key, state)
+        if self.monitoring:
+            self._refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
         if self._ef is not None:
             x, _ = self._ef.update(x, self.old("residual", key))
         if x.data_ptr() == grad.data_ptr():
@@ -385,6 +405,22 @@ class Step:
             yield from exchange.two_step_mean(comm, codec, chunked, outs, reencode)
         else:
             yield from self._lowrank_job(codec, keys, inputs, outs)
+
+    def _monitor_mean(self, flat: torch.Tensor) -> exchange.Job:
+        yield [self.comm.all_reduce(flat, monitor=True)]
+        flat.div_(self.comm.world)
+
+    def _record_monitor(self, keys, exact: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        """Per key: squared error, squared norms and dot product of the delivered against the exact average."""
+        offset = 0
+        for k, out in zip(keys, outs):
+            ref = exact[offset : offset + out.numel()]
+            got = out.reshape(-1)
+            offset += out.numel()
+            residual = self._new.get(("residual", k))
+            self.monitor_rows[k] = torch.stack([
+                (got - ref).square().sum(), ref.square().sum(), (got * ref).sum(), got.square().sum(),
+                residual.float().square().sum() if residual is not None else torch.zeros((), device=got.device)])
 
     def encode_chunks(self, codec: Codec, key, x: torch.Tensor) -> list:
         """``x`` cut into one chunk per rank (:func:`exchange.split_chunks`), each encoded."""

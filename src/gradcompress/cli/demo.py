@@ -60,6 +60,8 @@ DEFAULT_SCHEMES = (
     "onebitadam",
 )
 DEFAULT_STEPS = 250
+#: the demo's telemetry: every 10th step the exact average too (plotted; its bytes are not in bytes/step)
+MONITOR_EVERY = 10
 DEFAULT_OUT = "./gradcompress-report/"
 
 
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or (16 if args.task == "lm" else 32)
     configs = [RunConfig(scheme=s, steps=args.steps, batch_size=batch_size,
                          lr=None if scheme_name(s) == ONEBITADAM else args.lr,  # Adam keeps its own lr
-                         warmup_steps=args.warmup_steps, seed=args.seed, task=args.task) for s in schemes]
+                         warmup_steps=args.warmup_steps, seed=args.seed, task=args.task,
+                         monitor_every=MONITOR_EVERY) for s in schemes]
     data = TASKS[args.task].load(args.seed)
     sizes = (f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test" if args.task == "digits" else
              f"lm: {len(data['train'])} train / {len(data['val'])} validation bytes")
@@ -278,7 +281,7 @@ def plot(runs: list[dict], path: str, workers: int) -> None:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(19, 5.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    fig, axes = plt.subplots(1, 4, figsize=(25, 5.8), gridspec_kw={"width_ratios": [1, 1, 1, 1.1]})
     cmap = plt.get_cmap("tab20")
     steps = max(len(r["loss"]) for r in runs)
     window = max(1, steps // 30)
@@ -293,6 +296,14 @@ def plot(runs: list[dict], path: str, workers: int) -> None:
     axes[1].set(xlabel="cumulative bytes sent per worker", ylabel="training loss", xscale="log", yscale="log",
                 title="loss vs bytes sent")
     axes[0].legend(fontsize=7, ncol=2)
+    for i, r in enumerate(runs):  # telemetry: how far the compressed average is from the exact one
+        hist = r.get("monitor_history") or []
+        if hist and any(h[1] > 0 for h in hist):
+            axes[2].plot([h[0] + 1 for h in hist], [max(h[1], 1e-6) for h in hist], label=r["scheme"],
+                         color=cmap(i % 20), lw=1.2, marker=".", ms=3)
+    axes[2].set(xlabel="step", ylabel="||compressed avg - exact avg|| / ||exact avg||", yscale="log",
+                title="telemetry: relative error of the average (monitor_every)")
+    axes = [axes[0], axes[1], axes[3]]
     names = [r["scheme"] for r in runs]
     lm = any(r.get("val_loss") is not None for r in runs)
     values = [r["val_loss"] if lm else r["test_accuracy"] for r in runs]

@@ -70,6 +70,7 @@ class RunConfig:
     hidden: int = 256
     progress_every: int = 5
     task: str = "digits"
+    monitor_every: int = 0  # Compressor telemetry (the demo plots it)
     fsdp: bool = False
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
 
@@ -92,7 +93,7 @@ class RunConfig:
         codec, options = split_scheme(self.scheme)
         options.setdefault("error_feedback", self.error_feedback)
         options.setdefault("min_numel", self.min_numel)
-        return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed)
+        return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
 
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
@@ -296,6 +297,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
                 fully_shard(unit)
             fully_shard(model)
             options.pop("min_numel")
+            options.pop("monitor_every")
             comp = gradcompress.register_fsdp(model, codec, **options)
         else:
             opt = inner
@@ -475,5 +477,7 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "task": cfg.task,
         "loss": loss,
         "cumulative_bytes": cum if None not in cum else None,
-        "stats": {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()},
+        "stats": {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()
+                  if k != "monitor"},
+        "monitor_history": (stats.get("monitor") or {}).get("history"),
     }
