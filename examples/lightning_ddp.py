@@ -1,4 +1,7 @@
-"""A real Lightning run with CompressedDDPStrategy on 2 CPU processes (run by tests/test_lightning.py).
+"""Lightning + gradcompress: CompressedDDPStrategy on 2 CPU processes (tests/test_integrations.py runs it).
+
+    python examples/lightning_ddp.py OUT_DIR topk:ratio=0.05
+
 
 Lightning's popen launcher starts rank 1 by running this script again with its rank in the
 environment; each rank saves its compressor's stats and its parameters to OUT_DIR.
