@@ -46,6 +46,28 @@ def test_split_schemes_keeps_commas_inside_specs():
 
 
 # --------------------------------------------------------------------------- demo
+def test_short_lm_demo_writes_the_table_and_results(tmp_path, capsys):
+    """--task lm: the byte-level transformer, validation loss instead of accuracy, DiLoCo as a scheme."""
+    out = tmp_path / "lm"
+    rc = main(["demo", "--task", "lm", "--steps", "12", "--workers", "2", "--no-progress", "--out", str(out),
+               "--schemes", "none;int8;int4:diloco=4"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "val loss" in table and "int4:diloco=4" in table
+    data = json.loads((out / "results.json").read_text())
+    assert data["task"]["name"] == "lm" and data["task"]["steps"] == 12
+    runs = {r["scheme"]: r for r in data["runs"]}
+    assert set(runs) == {"none", "int8", "int4:diloco=4"}
+    for r in runs.values():
+        assert 0 < r["val_loss"] < 6 and r["test_accuracy"] is None
+        assert len(r["loss"]) == 12 and r["cumulative_bytes"][-1] == r["stats"]["wire_bytes"]
+        assert r["monitor_history"] is None or all(len(h) == 3 for h in r["monitor_history"])
+    assert runs["none"]["val_loss_vs_none_pct"] == 0
+    assert runs["int4:diloco=4"]["stats"]["syncs"] == 3  # 12 steps, H = 4
+    assert runs["int4:diloco=4"]["bytes_per_step"] < runs["int8"]["bytes_per_step"] / 4
+    assert (out / "report.png").stat().st_size > 10000
+
+
 def test_short_demo_writes_results_and_report(tmp_path, monkeypatch, capsys):
     # pretend 1-bit Adam is missing: the demo must say so and go on with the others
     monkeypatch.setattr(demo_mod, "onebitadam_problem", lambda: "gradcompress.optim.OneBitAdam is not available")
