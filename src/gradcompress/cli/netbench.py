@@ -53,7 +53,7 @@ import time
 
 from .common import CLIError, human_bytes, positive_int, split_schemes
 
-MODELS = ("mlp", "cnn", "tiny")
+MODELS = ("mlp", "cnn", "tiny", "lm")
 PORT = 29500
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
@@ -79,6 +79,10 @@ def build_model(name: str, seed: int = 0):
         return nn.Sequential(*layers[:-1])
     if name == "tiny":
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    if name == "lm":
+        from .lm import make_model
+
+        return make_model(seed)
     if name == "cnn":
         return nn.Sequential(
             nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
@@ -102,12 +106,19 @@ def _batch(name: str, batch_size: int, rank: int):
         return torch.randn(batch_size, 1024, generator=g), torch.randn(batch_size, 1024, generator=g)
     if name == "tiny":
         return torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+    if name == "lm":
+        from .lm import CONTEXT
+
+        data = torch.randint(0, 256, (batch_size // 2 or 1, CONTEXT + 1), generator=g)
+        return data[:, :-1], data[:, 1:]
     return torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
 def _loss(name: str, out, y):
     import torch.nn.functional as F
 
+    if name == "lm":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out, y) if name == "mlp" else F.cross_entropy(out, y)
 
 
@@ -195,6 +206,12 @@ def check_schemes(texts: list[str], fsdp: bool = False) -> list[str]:
             out.append(FSDP_BASELINE)
             continue
         try:
+            if _diloco_h(t):
+                if fsdp:
+                    raise ValueError("DiLoCo schemes do not combine with --fsdp")
+                parse_scheme(_without_diloco(t))
+                out.append(t.strip())
+                continue
             if fsdp:
                 _check_fsdp_scheme(t)
             out.append(parse_scheme(t).text)
@@ -386,9 +403,13 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
     rows = []
     for i, text in enumerate(schemes):
         recs = [r["schemes"][i] for r in records]
-        per_step = [max(r["step_seconds"][k] for r in recs) for k in range(steps)]
-        iface = [r["iface_tx_bytes"] / steps for r in recs]
-        if text == FSDP_BASELINE:  # the reduce-scatter only: (W-1)/W of the float32 gradient
+        n = len(recs[0]["step_seconds"])  # DiLoCo: whole intervals, maybe more than --steps
+        per_step = [max(r["step_seconds"][k] for r in recs) for k in range(n)]
+        iface = [r["iface_tx_bytes"] / n for r in recs]
+        h = _diloco_h(text)
+        if h:  # the outer exchange every H steps: per step, the mean over whole intervals
+            kind, model_bytes = "diloco", None
+        elif text == FSDP_BASELINE:  # the reduce-scatter only: (W-1)/W of the float32 gradient
             kind = "fsdp"
             model_bytes = (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
         else:
@@ -396,7 +417,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
             kind = scheme.kind
             model_bytes = wire_bytes(scheme, shapes, workers, recs[0]["bucket_cap_bytes"])
         if recs[0]["wire_bytes"] is not None:
-            wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / steps, "stats"
+            wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / n, "stats"
         else:
             wire, source = float(model_bytes), "model"
         codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
@@ -404,7 +425,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         rows.append({
             "scheme": text,
             "kind": kind,
-            "median_step_s": statistics.median(per_step),
+            "median_step_s": statistics.fmean(per_step) if h else statistics.median(per_step),
             "step_s": per_step,
             "iface_tx_bytes_per_step": statistics.fmean(iface),
             "iface_tx_bytes_per_step_by_host": iface,
@@ -412,8 +433,8 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
             "wire_bytes_source": source,
             "model_wire_bytes_per_step": model_bytes,
             "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
-            "codec_s_per_step": statistics.fmean(codec) / steps if codec else None,
-            "wait_s_per_step": statistics.fmean(wait) / steps if wait else None,
+            "codec_s_per_step": statistics.fmean(codec) / n if codec else None,
+            "wait_s_per_step": statistics.fmean(wait) / n if wait else None,
             "buckets": recs[0]["buckets"],
             "error_feedback": recs[0]["error_feedback"],
             "final_loss": recs[0]["loss"],
@@ -490,6 +511,10 @@ def format_table(result: dict) -> str:
                  "step (mean over hosts); wire: Compressor.stats() wire_bytes per step, '(model)': the same ring "
                  "count computed for a PyTorch baseline; codec / wait: Compressor.stats() codec_seconds / "
                  "comm_seconds (waiting on collectives after the backward pass) per step")
+    if any(r["kind"] == "diloco" for r in result["schemes"]):
+        lines.append("DiLoCo schemes (codec:diloco=H): the MEAN step time over whole intervals of H steps (H-1 "
+                     "local SGD steps and one with the outer exchange; one untimed interval first); bytes per step "
+                     "likewise averaged")
     if any(r["kind"] == "torch-powersgd" for r in result["schemes"]):
         lines.append(f"torch-powersgd ran with ONE bucket (bucket_cap_mb={result['torch_powersgd_bucket_cap_mb']}): "
                      "PyTorch's powerSGD_hook deadlocks on gloo with more than one bucket")
@@ -606,8 +631,13 @@ def _worker(cfg: dict) -> None:
     records = []
     for i, text in enumerate(cfg["schemes"]):
         model = build_model(name)
+        diloco = _diloco_h(text)
+        opt = None
         if cfg.get("fsdp"):
             ddp, comp, ef, cap_mb = _fsdp_setup(model, text)
+            scheme = None
+        elif diloco:
+            ddp, comp, ef, cap_mb, opt = _diloco_setup(model, text, diloco)
             scheme = None
         else:
             scheme = parse_scheme(text)
@@ -630,7 +660,8 @@ def _worker(cfg: dict) -> None:
         elif scheme.kind == "ours":
             comp = gradcompress.Compressor(text, warmup_steps=COMPRESSOR_WARMUP, error_feedback=ef, seed=0)
             comp.register(ddp)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if opt is None:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step() -> float:
             opt.zero_grad(set_to_none=True)
@@ -639,7 +670,10 @@ def _worker(cfg: dict) -> None:
             opt.step()
             return loss.item()
 
-        for _ in range(cfg["warmup"]):
+        warmup, timed = cfg["warmup"], cfg["steps"]
+        if diloco:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
+            warmup, timed = diloco, diloco * -(-timed // diloco)
+        for _ in range(warmup):
             step()
         dist.barrier()  # every earlier byte has crossed the links (peers received it)
         time.sleep(0.05)  # and the last ACKs too
@@ -647,7 +681,7 @@ def _worker(cfg: dict) -> None:
         st0 = comp.stats() if comp else None
         step_times = []
         loss = float("nan")
-        for _ in range(cfg["steps"]):
+        for _ in range(timed):
             start = time.perf_counter()
             loss = step()
             step_times.append(time.perf_counter() - start)
@@ -657,7 +691,9 @@ def _worker(cfg: dict) -> None:
         dist.barrier()
         time.sleep(0.05)
         tx1 = _read_tx(cfg["ifname"])
-        if cfg.get("fsdp"):
+        if diloco:
+            buckets = 0  # no DDP: one outer exchange of every parameter per interval
+        elif cfg.get("fsdp"):
             buckets = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
         else:
             logging = ddp._get_ddp_logging_data()
@@ -677,8 +713,8 @@ def _worker(cfg: dict) -> None:
         })
         if rank == 0:
             print(f"netbench: [{i + 1}/{len(cfg['schemes'])}] {text}: "
-                  f"{1e3 * statistics.median(step_times):.1f} ms/step, "
-                  f"{(tx1 - tx0) / cfg['steps'] / 1e6:.2f} MB/step sent by host 0", file=sys.stderr, flush=True)
+                  f"{1e3 * statistics.median(step_times):.1f} ms/step (median), "
+                  f"{(tx1 - tx0) / timed / 1e6:.2f} MB/step sent by host 0", file=sys.stderr, flush=True)
         del ddp, comp, opt, model
         dist.barrier()
     with open(cfg["out"] + ".part", "w") as f:
@@ -704,6 +740,37 @@ def _fsdp_setup(model, text: str):
         return model, None, None, None
     comp = gradcompress.register_fsdp(model, text, warmup_steps=COMPRESSOR_WARMUP, seed=0)
     return model, comp, comp.error_feedback, None
+
+
+def _without_diloco(text: str) -> str:
+    from ..spec import parse
+
+    opts = parse(text)
+    opts.pop("diloco", None)
+    name = opts.pop("name")
+    return name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+
+
+def _diloco_h(text: str) -> int:
+    """H of a DiLoCo scheme (``int4:diloco=25``), else 0."""
+    from ..spec import parse
+
+    h = parse(text).get("diloco") if text not in ("ddp", FSDP_BASELINE) else None
+    return h if isinstance(h, int) and not isinstance(h, bool) and h > 0 else 0
+
+
+def _diloco_setup(model, text: str, h: int):
+    """DiLoCo over plain SGD (lr 1e-3, as the other schemes' optimizer), the outer gradient through the codec."""
+    import torch
+
+    from ..optim import DiLoCo
+    from ..spec import parse
+
+    opts = parse(text)
+    opts.pop("diloco")
+    name = opts.pop("name")
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=h, codec={"name": name, **opts})
+    return model, opt.compressor, opt.compressor.error_feedback, None, opt
 
 
 def worker_main(argv: list[str]) -> int:
