@@ -121,7 +121,8 @@ class RunConfig:
         if self.kind() == ONEBITADAM:
             o = self.onebitadam_options()
             extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay") if k in o)
-            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra})"
+            lm_extra = ", betas=(0.9, 0.95), cosine" if self.task == "lm" else ""
+            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra}{lm_extra})"
         outer = f"DiLoCo(H={self.diloco}, outer SGD lr 0.7 Nesterov 0.9) over " if self.diloco else ""
         if self.task == "lm":
             beta1 = 0 if self.momentum_corrected() else 0.9
@@ -275,8 +276,9 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
 
         for p in model.parameters():  # identical start everywhere (already so by the seed)
             dist.broadcast(p.data, src=0)
-        opt = OneBitAdam(model.parameters(), **cfg.onebitadam_options())
+        opt = OneBitAdam(model.parameters(), **task.onebitadam_extra(), **cfg.onebitadam_options())
         net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
+        scheduler = task.scheduler(opt, cfg)  # lm: the same cosine decay as AdamW's
     else:
         net = None if cfg.diloco or cfg.fsdp else \
             nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -354,6 +356,9 @@ class DigitsTask:
     def scheduler(self, optimizer, cfg):
         return None
 
+    def onebitadam_extra(self) -> dict:
+        return {}
+
     def loss(self, out, y):
         return nn.functional.cross_entropy(out, y)
 
@@ -398,6 +403,11 @@ class LMTask:
         from . import lm
 
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lm.cosine(s, cfg.steps))
+
+    def onebitadam_extra(self) -> dict:
+        from . import lm
+
+        return {"betas": lm.BETAS}  # as AdamW's here (its weight decay stays off: OneBitAdam's is L2)
 
     def loss(self, out, y):
         from . import lm
