@@ -119,6 +119,12 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["train", "--codec", "int8:bogus=1"], "bogus"),
     (["demo", "--workers", "0"], "--workers"),
     (["bench", "--codecs", "nosuchcodec"], "nosuchcodec"),
+    (["train", "--codec", "powersgd", "--fsdp"], "powersgd cannot compress FSDP"),
+    (["train", "--codec", "onebitadam", "--fsdp"], "--fsdp does not apply"),
+    (["train", "--codec", "int8", "--diloco", "5", "--fsdp"], "--diloco"),
+    (["train", "--codec", "int8", "--diloco", "0"], "--diloco"),
+    (["demo", "--schemes", "int4:diloco=0"], "diloco must be an integer >= 1"),
+    (["demo", "--schemes", "sign:momentum=1.5"], "momentum must be a number in [0, 1)"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))
