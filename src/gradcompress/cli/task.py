@@ -294,10 +294,11 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
             from torch.distributed.fsdp import fully_shard
 
-            net, opt = model, inner
             for unit in task.shard_units(model):
                 fully_shard(unit)
             fully_shard(model)
+            inner = task.optimizer(model.parameters(), cfg)  # over the sharded (DTensor) parameters
+            net, opt = model, inner
             options.pop("min_numel")
             options.pop("monitor_every")
             comp = gradcompress.register_fsdp(model, codec, **options)
