@@ -39,6 +39,8 @@ def main(out_dir: str, spec: str) -> None:
     torch.save({"stats": compressor.stats(), "steps": steps, "ddp": type(model).__name__,
                 "params": [p.detach() for p in accelerator.unwrap_model(model).parameters()]},
                os.path.join(out_dir, f"rank{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # tears the process group down before exit (no gloo abort at shutdown)
 
 
 if __name__ == "__main__":
