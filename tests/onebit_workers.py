@@ -157,3 +157,60 @@ def ckpt_resume(rank: int, world: int, total: int, cut: int, warmup: int, direct
     opt.load_state_dict(ckpt["opt"])
     train(model, opt, rank, cut, total)
     return flat(model)
+
+
+# --------------------------------------------------------------------------- CompressedAdam (any codec)
+def compressed_adam_checks(rank: int, world: int, codecs: list[str], warmup: int, total: int, cut: int,
+                           directory: str) -> dict:
+    """Per codec: replicas and bytes after compressed steps, and the checkpoint of ``cut`` steps
+    (resumed by :func:`compressed_adam_resume`); for ``none`` also the exact reference: the
+    gradients all-reduced by hand, then the same optimizer on a group of size 1."""
+    from gradcompress.optim import CompressedAdam
+
+    out = {}
+    for codec in codecs:
+        model = make_model()
+        opt = CompressedAdam(model.parameters(), warmup_steps=warmup, codec=codec, **HYPER)
+        sent = train(model, opt, rank, 0, total)
+        rec = {"params": flat(model), "sent": sent, "stats": opt.stats(),
+               "state_keys": sorted(opt.state[model[0].weight])}
+        model = make_model()
+        opt = CompressedAdam(model.parameters(), warmup_steps=warmup, codec=codec, **HYPER)
+        train(model, opt, rank, 0, cut)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                   os.path.join(directory, f"{codec}-rank{rank}.pt"))
+        out[codec] = rec
+    if "none" in codecs:  # exact: the momentum of the averaged gradient, Adam's update with the frozen variance
+        groups = [dist.new_group([r]) for r in range(world)]
+        solo = groups[rank]
+        model = make_model()
+        opt = CompressedAdam(model.parameters(), warmup_steps=warmup, codec="none", process_group=solo, **HYPER)
+        for step in range(total):
+            opt.zero_grad()
+            backward(model, rank, step)
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(grads)
+            grads.div_(world)
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(grads[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            opt.step()
+        out["reference"] = flat(model)
+    return out
+
+
+def compressed_adam_resume(rank: int, world: int, codecs: list[str], warmup: int, total: int, cut: int,
+                           directory: str) -> dict:
+    from gradcompress.optim import CompressedAdam
+
+    out = {}
+    for codec in codecs:
+        model = make_model(seed=123)
+        opt = CompressedAdam(model.parameters(), warmup_steps=warmup, codec=codec, **HYPER)
+        ckpt = torch.load(os.path.join(directory, f"{codec}-rank{rank}.pt"), weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        train(model, opt, rank, cut, total)
+        out[codec] = flat(model)
+    return out

@@ -265,3 +265,50 @@ def test_update_bias_correction_after_warmup():
     m = st["exp_avg"]
     expected = before - 0.1 / (1 - 0.5**3) * m / (v.sqrt() / math.sqrt(1 - 0.9**2) + 1e-3)
     assert torch.allclose(p.detach(), expected, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- CompressedAdam: any codec
+CA_CODECS = ["none", "topk:ratio=0.05,values=int8", "powersgd:rank=2", "int4"]
+CA_WARMUP, CA_TOTAL, CA_CUT = 3, 9, 5
+
+
+@pytest.fixture(scope="module")
+def compressed_adam(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("compressed_adam"))
+    args = (CA_CODECS, CA_WARMUP, CA_TOTAL, CA_CUT, directory)
+    first = launch.run(ow.compressed_adam_checks, 2, *args, timeout=120)
+    resumed = launch.run(ow.compressed_adam_resume, 2, *args, timeout=120)
+    return first, resumed
+
+
+def test_compressed_adam_with_exact_codec_is_frozen_variance_adam_on_the_average(compressed_adam):
+    first, _ = compressed_adam
+    for r in first:  # the exchange of 'none' averages the momenta: b1 m + (1 - b1) mean(g) = the reference's
+        torch.testing.assert_close(r["none"]["params"], r["reference"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", CA_CODECS)
+def test_compressed_adam_replicas_bytes_and_resume(compressed_adam, codec):
+    first, resumed = compressed_adam
+    a, b = first[0][codec], first[1][codec]
+    assert torch.equal(a["params"], b["params"]) and torch.isfinite(a["params"]).all()
+    dense = a["sent"][0]  # a warm-up step: the dense float32 all-reduce
+    assert dense == 2 * (2 - 1) * 4 * ow.numel(ow.make_model()) // 2
+    compressed = a["sent"][CA_WARMUP:]
+    assert a["stats"]["compressed_steps"] == CA_TOTAL - CA_WARMUP
+    if codec != "none":
+        assert max(compressed) < dense / 4, (codec, compressed, dense)
+        assert "worker_error" in a["state_keys"]
+    if codec.startswith("powersgd"):
+        assert "lowrank_q" in a["state_keys"]  # the warm-started factor lives in the optimizer (checkpoints)
+    for rank in range(2):  # resumed in fresh processes from the checkpoint at CA_CUT: bit for bit
+        assert torch.equal(resumed[rank][codec], first[rank][codec]["params"]), codec
+
+
+def test_compressed_adam_refuses_codecs_with_their_own_momentum():
+    from gradcompress.optim import CompressedAdam
+
+    with pytest.raises(ValueError, match="keeps its own momentum"):
+        CompressedAdam(nn.Linear(4, 4).parameters(), codec="dgc:ratio=0.1")
+    with pytest.raises(ValueError, match="unknown codec 'nope'"):
+        CompressedAdam(nn.Linear(4, 4).parameters(), codec="nope")

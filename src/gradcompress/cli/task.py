@@ -42,8 +42,9 @@ IN_FEATURES, CLASSES = 64, 10
 
 
 # --------------------------------------------------------------------------- configuration
-#: scheme options that configure the run: ``int4:diloco=25`` trains with DiLoCo, H = 25, int4 outer gradients
-RUN_OPTIONS = ("diloco",)
+#: scheme options that configure the run: ``int4:diloco=25`` trains with DiLoCo, H = 25, int4 outer gradients;
+#: ``topk:ratio=0.01,compressed_adam=true`` trains with CompressedAdam (Adam's momentum through the codec)
+RUN_OPTIONS = ("diloco", "compressed_adam")
 TASK_NAMES = ("digits", "lm")
 #: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
 COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps")
@@ -85,8 +86,8 @@ class RunConfig:
                 self.diloco = h
 
     def kind(self) -> str:
-        """``"onebitadam"`` or ``"sgd"``."""
-        return ONEBITADAM if scheme_name(self.scheme) == ONEBITADAM else "sgd"
+        """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges) or ``"sgd"`` (a Compressor hook)."""
+        return ONEBITADAM if is_adam_scheme(self.scheme) else "sgd"
 
     def compressor(self):
         """The :class:`gradcompress.Compressor` arguments of this run: (codec, options)."""
@@ -106,8 +107,12 @@ class RunConfig:
         return 0.0 if self.momentum_corrected() else self.momentum
 
     def onebitadam_options(self) -> dict:
-        opts = parse(self.scheme)
-        opts.pop("name")
+        """Keyword arguments of OneBitAdam, or of CompressedAdam (then with ``codec``)."""
+        if scheme_name(self.scheme) == ONEBITADAM:
+            opts = parse(self.scheme)
+            opts.pop("name")
+        else:
+            opts = {"codec": split_scheme(self.scheme)[0].spec}
         opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
         opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
         return opts
@@ -122,7 +127,8 @@ class RunConfig:
             o = self.onebitadam_options()
             extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay") if k in o)
             lm_extra = ", betas=(0.9, 0.95), cosine" if self.task == "lm" else ""
-            return f"OneBitAdam(lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra}{lm_extra})"
+            name = f"CompressedAdam(codec={o['codec']!r}, " if "codec" in o else "OneBitAdam("
+            return f"{name}lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra}{lm_extra})"
         outer = f"DiLoCo(H={self.diloco}, outer SGD lr 0.7 Nesterov 0.9) over " if self.diloco else ""
         if self.task == "lm":
             beta1 = 0 if self.momentum_corrected() else 0.9
@@ -135,6 +141,16 @@ class RunConfig:
 
 def scheme_name(scheme: str) -> str:
     return scheme.strip().partition(":")[0].strip()
+
+
+def is_adam_scheme(scheme: str) -> bool:
+    """True for ``onebitadam`` and for ``<codec spec>,compressed_adam=true`` (the optimizer exchanges itself)."""
+    if scheme_name(scheme) == ONEBITADAM:
+        return True
+    try:
+        return parse(scheme).get("compressed_adam") is True
+    except ValueError:
+        return False
 
 
 def split_scheme(scheme: str):
@@ -188,6 +204,18 @@ def check_scheme(scheme: str) -> str:
             msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
         raise CLIError(msg) from None
     run = {k: v for k, v in parse(scheme).items() if k in RUN_OPTIONS}
+    if "compressed_adam" in run:
+        if not isinstance(run["compressed_adam"], bool):
+            raise CLIError(f"compressed_adam must be true or false, got {run['compressed_adam']!r}")
+        if run["compressed_adam"]:
+            if options or "diloco" in run:
+                extra = ", ".join(list(options) + (["diloco"] if "diloco" in run else []))
+                raise CLIError(f"compressed_adam=true: CompressedAdam exchanges Adam's momentum itself; the option(s) "
+                               f"{extra} do not apply (only the codec's own options do)")
+            if codec.carries_momentum:
+                raise CLIError(f"compressed_adam=true: {codec.name} keeps its own momentum; use topk")
+        else:
+            run.pop("compressed_adam")
     if "diloco" in run and (isinstance(run["diloco"], bool) or not isinstance(run["diloco"], int) or run["diloco"] < 1):
         raise CLIError(f"diloco must be an integer >= 1 (inner steps per sync), got {run['diloco']!r}")
     extra = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in {**options, **run}.items())
@@ -272,11 +300,11 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     kind = cfg.kind()
     scheduler = None
     if kind == ONEBITADAM:
-        from ..optim import OneBitAdam
+        from ..optim import CompressedAdam
 
         for p in model.parameters():  # identical start everywhere (already so by the seed)
             dist.broadcast(p.data, src=0)
-        opt = OneBitAdam(model.parameters(), **task.onebitadam_extra(), **cfg.onebitadam_options())
+        opt = CompressedAdam(model.parameters(), **task.onebitadam_extra(), **cfg.onebitadam_options())
         net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
         scheduler = task.scheduler(opt, cfg)  # lm: the same cosine decay as AdamW's
     else:

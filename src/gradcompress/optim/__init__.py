@@ -4,12 +4,15 @@
 frozen variance and the momentum averaged through a 1-bit compressed all-reduce with
 worker- and server-side error feedback.
 
+:class:`CompressedAdam`: the same with any codec for the momentum (``codec="topk:ratio=0.01"``,
+``"powersgd:rank=4"``, ...): compression after Adam's preconditioning.
+
 :class:`DiLoCo`: low-communication training (Douillard et al., 2023): H local steps of any
 inner optimizer, then the outer gradient averaged through a Compressor (any codec) and
 applied by an outer optimizer (SGD with Nesterov momentum).
 """
 
 from .diloco import DiLoCo
-from .onebit_adam import OneBitAdam
+from .onebit_adam import CompressedAdam, OneBitAdam
 
-__all__ = ["DiLoCo", "OneBitAdam"]
+__all__ = ["CompressedAdam", "DiLoCo", "OneBitAdam"]

@@ -88,40 +88,63 @@ CODEC_SPEC = "sign:bucket=512"
 VARIANCE_FLOOR = 0.1
 #: parameter dtypes OneBitAdam accepts (the optimizer state is float32 for all of them)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: what each parameter's state holds (all float32 tensors)
+#: what each parameter's state holds (all float32 tensors; ``lowrank_q``/``lowrank_p`` only with powersgd)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
+#: the exchange's per-parameter state (Compressor slot -> our state key), handed by reference to each step
+SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q": "lowrank_q", "p": "lowrank_p"}
 
 
 # ------------------------------------------------------------------------ validation
-def _real(name: str, value) -> float:
+def _real(name: str, value, who: str = "OneBitAdam") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"OneBitAdam: {name} must be a number, got {value!r}")
+        raise ValueError(f"{who}: {name} must be a number, got {value!r}")
     return float(value)
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps) -> None:
-    lr_f = _real("lr", lr)
+def _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who: str = "OneBitAdam") -> None:
+    lr_f = _real("lr", lr, who)
     if not (math.isfinite(lr_f) and lr_f >= 0):
-        raise ValueError(f"OneBitAdam: lr must be a finite number >= 0, got {lr!r}")
+        raise ValueError(f"{who}: lr must be a finite number >= 0, got {lr!r}")
     if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"OneBitAdam: betas must be a pair (beta1, beta2), got {betas!r}")
+        raise ValueError(f"{who}: betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        b_f = _real(f"betas[{i}]", b)
+        b_f = _real(f"betas[{i}]", b, who)
         if not 0.0 <= b_f < 1.0:
-            raise ValueError(f"OneBitAdam: betas[{i}] must be in [0, 1), got {b!r}")
-    eps_f = _real("eps", eps)
+            raise ValueError(f"{who}: betas[{i}] must be in [0, 1), got {b!r}")
+    eps_f = _real("eps", eps, who)
     if not (math.isfinite(eps_f) and eps_f > 0):
-        raise ValueError(f"OneBitAdam: eps must be a finite number > 0, got {eps!r}")
-    wd = _real("weight_decay", weight_decay)
+        raise ValueError(f"{who}: eps must be a finite number > 0, got {eps!r}")
+    wd = _real("weight_decay", weight_decay, who)
     if not (math.isfinite(wd) and wd >= 0):
-        raise ValueError(f"OneBitAdam: weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        raise ValueError(f"{who}: weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
-        raise ValueError(f"OneBitAdam: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        raise ValueError(f"{who}: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+
+
+def _check_codec(codec, who: str):
+    """The momentum codec; refuses codecs that keep their own momentum (dgc) and unknown specs."""
+    try:
+        c = make(codec)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{who}: codec: {err}") from None
+    if c.carries_momentum:
+        raise ValueError(f"{who}: codec {c.spec!r} keeps its own momentum, but Adam's momentum is what is sent; "
+                         "use its plain sparsifier (topk) instead")
+    return c
 
 
 # ------------------------------------------------------------------------ the optimizer
-class OneBitAdam(torch.optim.Optimizer):
-    """Adam whose momentum is averaged across ranks with 1 bit per element after a dense warm-up.
+class CompressedAdam(torch.optim.Optimizer):
+    """Adam whose momentum is averaged across ranks through a codec after a dense warm-up.
+
+    ``CompressedAdam(params, codec="sign:bucket=512")`` is 1-bit Adam (:class:`OneBitAdam`);
+    any other codec (``"topk:ratio=0.01,values=int8"``, ``"powersgd:rank=4"``, ``"int4"``)
+    compresses the momentum instead of the sign: "compress after Adam's preconditioning".
+    Why it beats compressing the gradient under Adam: once the variance is frozen the
+    update ``m / sqrt(v)`` is linear in the exchanged momentum, so error feedback delivers
+    what it delays (as it does for SGD); a compressed *gradient* fed to Adam is instead
+    normalised per coordinate, so a coordinate that error feedback sends rarely but large
+    moves by about ``lr`` whatever it accumulated.
 
     See the module documentation for the algorithm, the bias correction and the bytes.
 
@@ -175,15 +198,18 @@ class OneBitAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None):
-        _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps)
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC):
+        who = type(self).__name__
+        _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
+        self.codec = _check_codec(codec, who)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=int(warmup_steps))
         super().__init__(params, defaults)
         self.process_group = process_group
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        self.codec = make(CODEC_SPEC)
+        if not hasattr(self, "codec"):
+            self.codec = make(CODEC_SPEC)
         self._compressor: Compressor | None = None
         self._checked = False
         self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
@@ -198,9 +224,10 @@ class OneBitAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         values = {k: param_group.get(k, self.defaults.get(k)) for k in
                   ("lr", "betas", "eps", "weight_decay", "warmup_steps")}
-        _check_hyperparameters(**values)
+        who = type(self).__name__
+        _check_hyperparameters(**values, who=who)
         if "process_group" in param_group:
-            raise ValueError("OneBitAdam: process_group is an argument of the optimizer, not of a parameter group")
+            raise ValueError(f"{who}: process_group is an argument of the optimizer, not of a parameter group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group["betas"] = tuple(group["betas"])
@@ -208,7 +235,7 @@ class OneBitAdam(torch.optim.Optimizer):
             if p.dtype not in PARAM_DTYPES:
                 self.param_groups.pop()
                 allowed = ", ".join(str(d).replace("torch.", "") for d in PARAM_DTYPES)
-                raise ValueError(f"OneBitAdam: parameters must be {allowed}; got one of dtype "
+                raise ValueError(f"{who}: parameters must be {allowed}; got one of dtype "
                                  f"{str(p.dtype).replace('torch.', '')}")
 
     # ------------------------------------------------------------------ public API
@@ -297,7 +324,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("OneBitAdam does not support sparse gradients")
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._state_of(p, world)
                 (dense if state["step"].item() < group["warmup_steps"] else comp).append((key, group, p, state))
         if not dense and not comp:
@@ -316,8 +343,9 @@ class OneBitAdam(torch.optim.Optimizer):
         if comp:  # afterwards: the momenta, 1 bit each, with worker and server error feedback
             store = self._compressor.state.slots
             for key, group, p, state in comp:
-                store["residual"][key] = state["worker_error"]
-                store["server_residual"][key] = state["server_error"]
+                for slot, name in SLOT_STATE.items():  # the exchange's state lives in ours (checkpoints)
+                    if name in state:
+                        store[slot][key] = state[name]
                 grad = self._local_grad(group, p, p.grad.detach().float())
                 momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
             jobs.append(step.exchange([k for k, _, _, _ in comp], momenta))
@@ -337,8 +365,9 @@ class OneBitAdam(torch.optim.Optimizer):
                 _floor_frozen_variance(state["exp_avg_sq"])
             seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
             state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
-            state["worker_error"] = store["residual"][key]
-            state["server_error"] = store["server_residual"].get(key, state["server_error"])
+            for slot, name in SLOT_STATE.items():
+                if key in store[slot]:
+                    state[name] = store[slot][key]
             state["step"] += 1
             beta1, beta2 = group["betas"]
             warm = group["warmup_steps"]
@@ -351,12 +380,14 @@ class OneBitAdam(torch.optim.Optimizer):
         """Open a step of the Compressor that carries the exchange (made at the first step)."""
         if self._compressor is None:
             if self.process_group is not None and not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError("OneBitAdam: a process_group was given but torch.distributed is not initialised")
-            self._compressor = Compressor(CODEC_SPEC, process_group=self.process_group, error_feedback=True,
-                                          server_error_feedback=True, min_numel=0)
+                raise RuntimeError(f"{type(self).__name__}: a process_group was given but torch.distributed is not "
+                                   "initialised")
+            feedback = self.codec.wants_error_feedback
+            self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
+                                          server_error_feedback=feedback, min_numel=0)
         step = self._compressor.begin_step()
         if not self._checked:
-            step.comm.check_same(self._config(), "OneBitAdam (parameters or hyperparameters)")
+            step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")
             self._checked = True
         return step
 
@@ -366,7 +397,7 @@ class OneBitAdam(torch.optim.Optimizer):
             shapes = ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"])
             groups.append(f"lr={g['lr']} betas={tuple(g['betas'])} eps={g['eps']} weight_decay={g['weight_decay']} "
                           f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
-        return f"{CODEC_SPEC}; " + "; ".join(groups)
+        return f"{self.codec.spec}; " + "; ".join(groups)
 
     def _state_of(self, p: torch.Tensor, world: int) -> dict:
         """The parameter's state, created (or completed, after loading a torch Adam state) on first use."""
@@ -380,7 +411,7 @@ class OneBitAdam(torch.optim.Optimizer):
         server = state.get("server_error")
         if server is None or server.numel() != chunk:
             if server is not None:
-                warnings.warn(f"OneBitAdam: a server residual of {server.numel()} elements does not fit this "
+                warnings.warn(f"{type(self).__name__}: a server residual of {server.numel()} elements does not fit this "
                               f"group's chunk of {chunk} (checkpoint from another world size?); it restarts at zero",
                               stacklevel=3)
             state["server_error"] = torch.zeros(chunk, dtype=torch.float32, device=p.device)
@@ -439,4 +470,16 @@ def _floor_frozen_variance(v: torch.Tensor) -> None:
         v.copy_(torch.where(positive, v.clamp(min=float(floor)), v))
 
 
-__all__ = ["OneBitAdam"]
+class OneBitAdam(CompressedAdam):
+    """1-bit Adam: :class:`CompressedAdam` with the ``sign`` codec (one bit per element, one scale per 512).
+
+    Same arguments as :class:`CompressedAdam` but ``codec``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                         process_group=process_group, codec=CODEC_SPEC)
+
+
+__all__ = ["CompressedAdam", "OneBitAdam"]
