@@ -50,14 +50,15 @@ def test_short_lm_demo_writes_the_table_and_results(tmp_path, capsys):
     """--task lm: the byte-level transformer, validation loss instead of accuracy, DiLoCo as a scheme."""
     out = tmp_path / "lm"
     rc = main(["demo", "--task", "lm", "--steps", "12", "--workers", "2", "--no-progress", "--out", str(out),
-               "--schemes", "none;int8;int4:diloco=4"])
+               "--schemes", "none;int8;int4:diloco=4;topk:ratio=0.05,values=int8,compressed_adam=true"])
     assert rc == 0
     table = capsys.readouterr().out
     assert "val loss" in table and "int4:diloco=4" in table
     data = json.loads((out / "results.json").read_text())
     assert data["task"]["name"] == "lm" and data["task"]["steps"] == 12
     runs = {r["scheme"]: r for r in data["runs"]}
-    assert set(runs) == {"none", "int8", "int4:diloco=4"}
+    cadam = "topk:ratio=0.05,values=int8,compressed_adam=true"
+    assert set(runs) == {"none", "int8", "int4:diloco=4", cadam}
     for r in runs.values():
         assert 0 < r["val_loss"] < 6 and r["test_accuracy"] is None
         assert len(r["loss"]) == 12 and r["cumulative_bytes"][-1] == r["stats"]["wire_bytes"]
@@ -65,6 +66,9 @@ def test_short_lm_demo_writes_the_table_and_results(tmp_path, capsys):
     assert runs["none"]["val_loss_vs_none_pct"] == 0
     assert runs["int4:diloco=4"]["stats"]["syncs"] == 3  # 12 steps, H = 4
     assert runs["int4:diloco=4"]["bytes_per_step"] < runs["int8"]["bytes_per_step"] / 4
+    assert runs[cadam]["optimizer"].startswith("CompressedAdam(codec='topk:ratio=0.05,values=int8")
+    assert runs[cadam]["warmup_steps"] == 5 and runs[cadam]["stats"]["compressed_steps"] == 7
+    assert runs[cadam]["bytes_per_step_compressed"] < runs["int8"]["bytes_per_step_compressed"] / 2
     assert (out / "report.png").stat().st_size > 10000
 
 
@@ -125,6 +129,9 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["train", "--codec", "int8", "--diloco", "0"], "--diloco"),
     (["demo", "--schemes", "int4:diloco=0"], "diloco must be an integer >= 1"),
     (["demo", "--schemes", "sign:momentum=1.5"], "momentum must be a number in [0, 1)"),
+    (["demo", "--schemes", "dgc:compressed_adam=true"], "dgc keeps its own momentum"),
+    (["demo", "--schemes", "topk:compressed_adam=true,momentum=0.9"], "momentum do not apply"),
+    (["train", "--codec", "int8:compressed_adam=true", "--fsdp"], "--fsdp does not apply"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))

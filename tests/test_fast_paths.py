@@ -123,6 +123,56 @@ def test_failed_build_falls_back(monkeypatch, tmp_path):
     assert p.tensors[-1].numel() == math.ceil(0.01 * N)
 
 
+# --------------------------------------------------------------------------- the cache: private, checked
+def _fresh_build(monkeypatch, root):
+    monkeypatch.setenv(fast.CACHE_ENV, str(root))
+    return fast._build(fast._compiler())
+
+
+def test_cache_is_private_and_the_library_is_ours(monkeypatch, tmp_path):
+    if fast._compiler() is None:
+        pytest.skip("no compiler")
+    path = _fresh_build(monkeypatch, tmp_path / "cache")
+    assert path.parent.parent == tmp_path / "cache"
+    for p in (path.parent.parent, path.parent):
+        assert os.stat(p).st_mode & 0o777 == 0o700
+    st = os.stat(path)
+    assert st.st_uid == os.getuid() and not st.st_mode & 0o022
+    assert _fresh_build(monkeypatch, tmp_path / "cache") == path  # found again, not rebuilt
+
+
+@pytest.mark.parametrize("attack", ["foreign owner", "world-writable folder", "symlink"])
+def test_planted_library_is_not_loaded(monkeypatch, tmp_path, attack):
+    if fast._compiler() is None:
+        pytest.skip("no compiler")
+    if attack == "foreign owner" and os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    root = tmp_path / "cache"
+    path = _fresh_build(monkeypatch, root)
+    planted = tmp_path / "planted.so"
+    planted.write_bytes(b"not a library")
+    if attack == "foreign owner":
+        os.chown(path, 65534, 65534)  # another user's file at the predictable path
+    elif attack == "world-writable folder":
+        os.chmod(root, 0o777)
+    else:
+        path.unlink()
+        path.symlink_to(planted)
+    with pytest.raises(RuntimeError, match="owned by uid 65534|writable by other users|symbolic link"):
+        fast.check_private(path, "file") if attack != "world-writable folder" else fast.check_private(root)
+    chosen = _fresh_build(monkeypatch, root)  # skips the unsafe place: the private temp fallback instead
+    assert chosen != path and chosen.parent.parent.name == f"gradcompress-{os.getuid()}"
+
+
+def test_build_raises_with_the_reason(monkeypatch):
+    monkeypatch.setattr(fast, "_lib", None)
+    monkeypatch.setattr(fast, "_failure", None)
+    monkeypatch.setattr(fast, "_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning):
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+            fast.build()
+
+
 # --------------------------------------------------------------------------- deterministic quantisers
 DETERMINISTIC = ["int8", "int4", "int8:bucket=7", "int4:bucket=64", "int8:bucket=100000", "sign", "sign:bucket=64"]
 

@@ -125,6 +125,10 @@ class Compressor:
         #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
         self.dense_codec = make("none")
         self.state = State()
+        if self.codec.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
+            from .codecs import fast
+
+            fast.prepare()
         self.current_step: Step | None = None
         self._comm: exchange.Collectives | None = None
         self._checked = False

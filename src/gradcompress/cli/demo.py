@@ -26,6 +26,8 @@ the biased codecs, off for ``none``, ``fp16`` and the unbiased ``qsgd``/``terngr
 * ``onebitadam``                        1-bit Adam (dense Adam warm-up for the first 20 % of
   the steps, then sign-compressed momentum with error feedback), lr 1e-3, default eps
   (``--lr`` does not apply to it; set ``onebitadam:lr=...,eps=...,warmup_steps=...``).
+* ``<codec>:compressed_adam=true``       (not in the default list) the same optimizer with that codec for
+  the momentum, :class:`gradcompress.optim.CompressedAdam` (e.g. ``topk:ratio=0.01,compressed_adam=true``).
 
 A scheme's options may set the Compressor's as well as the codec's (``sign:momentum=0.9``,
 ``int4:server_error_feedback=true``); see :data:`gradcompress.cli.task.COMPRESSOR_OPTIONS`.

@@ -74,6 +74,7 @@ class RunConfig:
     monitor_every: int = 0  # Compressor telemetry (the demo plots it)
     fsdp: bool = False
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
+    adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -114,7 +115,8 @@ class RunConfig:
         else:
             opts = {"codec": split_scheme(self.scheme)[0].spec}
         opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
-        opts.setdefault("warmup_steps", max(self.warmup_steps, self.steps // 5))
+        opts.setdefault("warmup_steps", self.adam_warmup if self.adam_warmup is not None
+                        else max(self.warmup_steps, self.steps // 5))
         return opts
 
     def learning_rate(self) -> float:
@@ -235,8 +237,13 @@ def onebitadam_problem() -> str | None:
 def load_data(seed: int = 0, test_size: float = 0.25) -> dict[str, torch.Tensor]:
     """Digits split into train/test (stratified, seeded), standardised with the training statistics."""
     import numpy as np
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise CLIError("the digits task needs scikit-learn: pip install 'gradcompress[demo]' "
+                       "(or use --task lm)") from None
 
     x, y = load_digits(return_X_y=True)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)

@@ -18,7 +18,7 @@ import os
 
 from .common import nonnegative_int, positive_float, positive_int
 from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes,
-                   onebitadam_problem, scheme_name, split_scheme, summarize, train_worker, TASKS)
+                   is_adam_scheme, onebitadam_problem, scheme_name, split_scheme, summarize, train_worker, TASKS)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,15 +35,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--codec", required=True, metavar="SPEC",
                    help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam; "
                         "Compressor options may follow the codec's (sign:momentum=0.9 is sign with momentum "
-                        "correction, the optimizer then runs without momentum)")
+                        "correction, the optimizer then runs without momentum); "
+                        "CODEC,compressed_adam=true trains with CompressedAdam (Adam's momentum through the codec)")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--lr", type=positive_float, default=None,
                    help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam)")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="local worker processes when not under torchrun (default 2)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
-                   help="dense steps before compression starts (default 5; onebitadam: its Adam warm-up, "
-                        "default 20%% of the steps)")
+                   help="dense steps before compression starts (default 5; onebitadam and compressed_adam=true: their "
+                        "dense Adam warm-up, default 20%% of the steps)")
     p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the compression error and add it to the next gradient (default: the library's "
                         "'auto': on for biased codecs, off for none, fp16/bf16 and the unbiased ones: qsgd, "
@@ -76,10 +77,12 @@ def run(args: argparse.Namespace) -> int:
         problem = onebitadam_problem()
         if problem:
             raise CLIError(problem)
-    if args.fsdp and scheme_name(args.codec) == ONEBITADAM:
-        raise CLIError("--fsdp does not apply to onebitadam (it averages unsharded momenta itself)")
-    if args.diloco and (args.fsdp or scheme_name(args.codec) == ONEBITADAM):
-        raise CLIError("--diloco takes a codec for the outer gradient; it does not combine with --fsdp or onebitadam")
+    if args.fsdp and is_adam_scheme(args.codec):
+        raise CLIError("--fsdp does not apply to onebitadam or compressed_adam=true (they average unsharded "
+                       "momenta themselves)")
+    if args.diloco and (args.fsdp or is_adam_scheme(args.codec)):
+        raise CLIError("--diloco takes a codec for the outer gradient; it does not combine with --fsdp, onebitadam "
+                       "or compressed_adam=true")
     if args.fsdp:
         from ..adapters.fsdp import check_codec
 
@@ -90,13 +93,12 @@ def run(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out) if args.out else None
     warmup = 5 if args.warmup_steps is None else args.warmup_steps
     scheme = args.codec.strip()
-    if scheme_name(scheme) == ONEBITADAM and args.warmup_steps is not None and "warmup_steps" not in scheme:
-        scheme += (":" if ":" not in scheme else ",") + f"warmup_steps={warmup}"
+    adam_warmup = args.warmup_steps if is_adam_scheme(scheme) else None  # explicit: Adam's warm-up
     batch_size = args.batch_size or (16 if args.task == "lm" else 32)
     cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=batch_size, lr=args.lr,
                     warmup_steps=warmup, seed=args.seed,
                     error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp,
-                    diloco=args.diloco or 0, task=args.task)
+                    diloco=args.diloco or 0, task=args.task, adam_warmup=adam_warmup)
 
     if under_torchrun():
         records, world, rank = _run_torchrun(cfg)

@@ -118,6 +118,8 @@ class Codec:
     #: True when the codec's options configure momentum correction (``momentum``,
     #: ``masking``, ``clip``), which a Compressor applies as transforms (DGC).
     carries_momentum = False
+    #: whether the codec's CPU path uses the fused kernels (:mod:`gradcompress.codecs.fast`)
+    uses_fast_kernels = True
 
     @property
     def wants_error_feedback(self) -> bool:

@@ -21,6 +21,7 @@ from .base import Aggregation, Codec
 @dataclasses.dataclass(frozen=True)
 class _Cast(Codec):
     aggregation = Aggregation.SUM
+    uses_fast_kernels = False
     wire_dtype = None  # None: keep the input's dtype
 
     @property

@@ -16,11 +16,20 @@ semantics are the same on both paths:
 When the fast path is taken: :func:`enabled` (the environment variable
 ``GRADCOMPRESS_FAST=0`` turns it off, :func:`set_enabled` / :func:`use` override it), the
 tensor is on the CPU and has at least :data:`MIN_NUMEL` elements (and fewer than 2**31),
-and the library could be built. It is compiled at the first such encode (about a second;
-any C++17 compiler, ``$CXX`` or ``c++``) into ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``) and reused from there. Without a compiler, or when the
-build fails, every codec stays on the reference path and one warning says why.
-Other devices (CUDA) always take the reference path.
+and the library could be built. It is compiled (about a second; any C++17 compiler,
+``$CXX`` or ``c++``) by :func:`build`, which a :class:`gradcompress.Compressor` calls when it
+is constructed on a machine without CUDA — before training, not inside a step while other
+ranks wait — or else at the first large encode. Without a compiler, or when the build
+fails, every codec stays on the reference path and one warning says why. Other devices
+(CUDA) always take the reference path.
+
+The cache, and what is loaded from it: ``$GRADCOMPRESS_CACHE_DIR``, else
+``$TORCH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/gradcompress`` (``~/.cache/gradcompress``),
+else a ``gradcompress-<uid>`` folder in the temporary directory. Folders are created with
+mode 0700, and a library is loaded only if it, its folder and the cache folder are owned
+by the current user and writable by no one else (no symbolic links): on a shared machine
+another user cannot plant a library at the predictable path. A folder that fails the
+check is skipped with the reason in :func:`failure`.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import hashlib
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,6 +55,7 @@ import torch
 MIN_NUMEL = 1 << 16
 
 ENV_VAR = "GRADCOMPRESS_FAST"
+CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
 _VERSION = 3  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
@@ -102,11 +113,41 @@ def failure() -> str | None:
 
 # ----------------------------------------------------------------------------- build
 def cache_root() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    """Where the library is built and looked for first (see the module documentation)."""
+    root = os.environ.get(CACHE_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "torch_extensions"
+    return Path(base) / "gradcompress"
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def check_private(path: Path, kind: str = "dir") -> None:
+    """``RuntimeError`` unless ``path`` is a real ``kind`` ("dir" or "file", not a symbolic link)
+    owned by the current user and not writable by group or others."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise RuntimeError(f"{path} is a symbolic link; not using it")
+    if not (stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)):
+        raise RuntimeError(f"{path} is not a {'directory' if kind == 'dir' else 'regular file'}; not using it")
+    if st.st_uid != _uid():
+        raise RuntimeError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {_uid()}); not using it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); not using it")
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700; missing parents too) and check it with :func:`check_private`."""
+    if not os.path.lexists(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    check_private(path, "dir")
 
 
 def _compiler() -> str | None:
@@ -144,13 +185,15 @@ def _build(cxx: str) -> Path:
         flags = _FLAGS + extra
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), version.encode(),
                                          _cpu_flags().encode() if extra else b""])).hexdigest()[:16]
-        for root in (cache_root(), Path(tempfile.gettempdir()) / f"gradcompress-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        for root in (cache_root(), Path(tempfile.gettempdir()) / f"gradcompress-{_uid()}"):
             target = root / f"gradcompress_fast_{key}" / "libgcfast.so"
-            if target.exists():
-                return target
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
+                _private_dir(root)
+                _private_dir(target.parent)
+                if os.path.lexists(target):
+                    check_private(target, "file")
+                    return target
+            except (OSError, RuntimeError) as err:
                 errors.append(f"{target.parent}: {err}")
                 continue
             tmp = target.with_name(f"libgcfast.{os.getpid()}.{threading.get_ident()}.tmp.so")
@@ -164,7 +207,9 @@ def _build(cxx: str) -> Path:
                 errors.append(f"{' '.join(cmd)} failed:\n{(res.stderr or res.stdout)[-2000:]}")
                 tmp.unlink(missing_ok=True)
                 break  # the flags, not the folder: try the next flags
+            os.chmod(tmp, 0o700)
             os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+            check_private(target, "file")
             return target
     raise RuntimeError("\n".join(errors) or "no build attempted")
 
@@ -191,6 +236,24 @@ def _declare(lib) -> None:
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+
+
+def build():
+    """Build (or find in the cache) and load the kernel library now; ``RuntimeError`` saying why if it cannot.
+
+    Call it before training (a :class:`gradcompress.Compressor` does on machines without
+    CUDA) so that the compile does not happen inside the first step.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"gradcompress: fast codec kernels unavailable: {_failure}")
+    return lib
+
+
+def prepare() -> None:
+    """:func:`library` if the fast path is enabled and the machine has no CUDA (else the first encode builds it)."""
+    if enabled() and not torch.cuda.is_available():
+        library()
 
 
 def library():

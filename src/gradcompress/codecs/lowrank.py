@@ -65,6 +65,8 @@ def initial_q(m: int, rank: int, seed: int, device, dtype=torch.float32) -> torc
 class PowerSGD(Codec):
     """Rank-``rank`` PowerSGD factors; see the module docstring for what is sent and when to use it."""
 
+    uses_fast_kernels = False
+
     rank: int = option(1, range=Range(1, None), doc="rank of the approximation (1 to 4 are typical)")
     alternate: bool = option(False, doc="one all-reduce per step, alternating P and Q steps (Compressor)")
     min_compression_rate: float = option(2.0, range=Range(1, None), doc="send dense below this saving")
