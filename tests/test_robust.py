@@ -2,6 +2,7 @@
 feedback, momentum correction, checkpoints of the new state. Real gloo workers, each launch with a
 timeout so a deadlock fails instead of hanging CI."""
 
+import math
 import pytest
 import torch
 
@@ -97,3 +98,20 @@ def test_checkpoint_resume_is_exact_with_server_residuals_and_momentum(tmp_path)
                 assert sizes["momentum"] > 0, scheme
             if "server" in scheme:
                 assert sizes["server_residual"] > 0, scheme
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_matches_isfinite_all(dtype):
+    from gradcompress.step import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    assert bool(all_finite(torch.empty(0, dtype=dtype)))
+    for n in (1, 7, 1000, 70_000):
+        x = (torch.randn(n, generator=g) * 1e4).to(dtype)
+        assert bool(all_finite(x)) and all_finite(x).shape == ()
+        for bad in (math.nan, math.inf, -math.inf):
+            for pos in (0, n // 2, n - 1):
+                y = x.clone()
+                y[pos] = bad
+                assert not bool(all_finite(y)), (dtype, n, bad, pos)
+                assert bool(all_finite(y)) == bool(torch.isfinite(y).all())

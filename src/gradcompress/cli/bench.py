@@ -41,14 +41,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Codecs: every registered codec with its default options, plus " + "; ".join(EXTRA_CODECS) +
                ".\nChoose some with --codecs (';'-separated and/or repeated, since specs contain commas):\n"
-               "  gradcompress bench --codecs 'int8;topk:ratio=0.01,values=int8' --numel 1000000")
+               "  gradcompress bench --codecs 'int8;topk:ratio=0.01,values=int8' --numel 1000000\n"
+               "  gradcompress bench --in-step --codecs 'none;int8;sign;topk:ratio=0.01;powersgd:rank=4'")
     p.add_argument("--numel", type=positive_int, default=25_000_000,
                    help="elements of the float32 tensor (default 25000000, 100 MB)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensor lives (default cpu)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per codec; the median counts (default 5)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed runs per codec; the median counts (default 5; --in-step: 6 steps)")
     p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC", help="codec specs to time (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--seed", type=int, default=0, help="seed of the tensor and the codecs (default 0)")
+    p.add_argument("--in-step", action="store_true",
+                   help="time one whole Compressor step (synchronize, library defaults) on --workers local gloo "
+                        "processes against a dense all_reduce of the same gradients, with its memory")
+    p.add_argument("--workers", type=positive_int, default=2, help="--in-step: local processes (default 2)")
+    p.add_argument("--size", type=positive_int, default=2048, help="--in-step: gradient matrices are SIZE x SIZE "
+                   "(default 2048)")
+    p.add_argument("--matrices", type=positive_int, default=3, help="--in-step: how many (default 3)")
     p.set_defaults(run=run)
     return p
 
@@ -123,6 +132,15 @@ def run(args: argparse.Namespace) -> int:
             if "unknown codec" in msg:
                 msg = f"unknown codec {s.partition(':')[0].strip()!r}; valid codecs: {valid}"
             raise CLIError(msg) from None
+    if args.in_step:
+        from .instep import format_in_step, run_in_step
+
+        if args.device != "cpu":
+            raise CLIError("--in-step runs gloo workers on the CPU; --device cuda does not apply")
+        result = run_in_step(specs, args.workers, args.size, args.matrices, args.repeats or 6, args.seed)
+        print(json.dumps(result, indent=1, allow_nan=False) if args.json else format_in_step(result))
+        return 0
+    args.repeats = args.repeats or 5
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: CUDA is not available in this PyTorch build or on this machine")
     device = torch.device(args.device)

@@ -1,0 +1,138 @@
+"""``gradcompress bench --in-step``: one whole Compressor step against a dense all-reduce.
+
+What is measured, per scheme, on ``--workers`` local gloo processes over loopback (so the
+network is as fast as this machine's memory and the overhead of the step shows):
+
+* ``step``: the median over ``--repeats`` steps (after one untimed first step, which
+  allocates the state) of :meth:`gradcompress.Compressor.synchronize` on ``--matrices``
+  float32 gradients of ``--size`` x ``--size`` (library defaults: error feedback
+  ``"auto"``, so on for int8, sign, topk, powersgd), rank 0's time;
+* ``dense``: the median of a plain ``all_reduce`` + divide of the same gradients (one
+  call per tensor), timed in the same processes, interleaved with the scheme's steps;
+* ``state``: memory the first step left allocated (residuals, factors), and ``peak``:
+  the highest memory during a steady-state step above what was held before it, both as
+  multiples of the gradients' bytes. Measured from the process's resident set (Linux:
+  ``VmHWM`` reset through ``/proc/self/clear_refs``); elsewhere they are ``None``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _rss_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices: int, repeats: int,
+                   seed: int) -> dict:
+    """``launch.run`` target: time every scheme's steps and the dense all-reduce; rank 0's figures."""
+    import torch
+    import torch.distributed as dist
+
+    import gradcompress
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    grads = [torch.randn(size, size, generator=g) * 1e-3 for _ in range(matrices)]
+    grad_bytes = sum(t.numel() * t.element_size() for t in grads)
+    params = [torch.nn.Parameter(torch.zeros(size, size)) for _ in range(matrices)]
+
+    def fresh():
+        for p, t in zip(params, grads):
+            if p.grad is None:
+                p.grad = t.clone()
+            else:
+                p.grad.copy_(t)
+
+    def dense():
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+    def timed(fn):
+        fresh()
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    out = {"grad_bytes": grad_bytes, "schemes": []}
+    dense_times = []
+    for spec in specs:
+        comp = gradcompress.Compressor(spec)
+        fresh()
+        dist.barrier()
+        before = _rss_kb("VmRSS")
+        comp.synchronize(params)  # the first step: allocates the state
+        state_kb = None if before is None else _rss_kb("VmRSS") - before
+        times, peaks = [], []
+        for _ in range(repeats):
+            dense_times.append(timed(dense))
+            fresh()
+            dist.barrier()
+            held = _rss_kb("VmRSS")
+            tracked = _reset_peak() and held is not None
+            start = time.perf_counter()
+            comp.synchronize(params)
+            times.append(time.perf_counter() - start)
+            if tracked:
+                peaks.append(_rss_kb("VmHWM") - held)
+        out["schemes"].append({
+            "scheme": spec, "error_feedback": comp.error_feedback, "step_seconds": statistics.median(times),
+            "state_x": None if state_kb is None else max(0, state_kb) * 1024 / grad_bytes,
+            "peak_x": max(peaks) * 1024 / grad_bytes if peaks else None,
+            "wire_bytes_per_step": comp.stats()["wire_bytes"] / comp.stats()["steps"],
+        })
+        del comp
+    out["dense_seconds"] = statistics.median(dense_times)
+    return out
+
+
+def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeats: int, seed: int) -> dict:
+    from .. import launch
+
+    results = launch.run(in_step_worker, workers, specs, size, matrices, repeats, seed,
+                         timeout=120 + 30 * len(specs) * repeats, collective_timeout=120)
+    r = results[0]
+    for row in r["schemes"]:
+        row["vs_dense"] = row["step_seconds"] / r["dense_seconds"] if r["dense_seconds"] else None
+    return {"workers": workers, "size": size, "matrices": matrices, "repeats": repeats, **r}
+
+
+def format_in_step(result: dict) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    head = ("scheme", "step ms", "x dense", "state x grad", "peak x grad", "sent/step")
+    rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["state_x"], ".2f"),
+                      f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB") for r in result["schemes"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
+             f"{result['size']} x {result['size']} ({result['grad_bytes'] / 1e6:.1f} MB), median of "
+             f"{result['repeats']} steps; dense all_reduce of the same gradients: "
+             f"{1000 * result['dense_seconds']:.1f} ms"]
+    for k, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce time; state: "
+                 "memory the first step left allocated; peak: highest extra memory during a later step; "
+                 "both in multiples of the gradients' bytes (resident set, Linux)")
+    return "\n".join(lines)
