@@ -227,7 +227,7 @@ def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: lis
     for p in payloads:
         for t in p.tensors:
             groups.setdefault(t.dtype, []).append(t)
-    flats = {dt: torch.cat([t.reshape(-1) for t in ts]) for dt, ts in groups.items()}
+    flats = {dt: _joined(ts) for dt, ts in groups.items()}
     yield [comm.all_reduce(f) for f in flats.values()]
     offsets = dict.fromkeys(flats, 0)
     for p, out in zip(payloads, outs):
@@ -236,7 +236,22 @@ def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: lis
             o = offsets[t.dtype]
             summed.append(flats[t.dtype][o : o + t.numel()].view(t.shape))
             offsets[t.dtype] = o + t.numel()
-        out.copy_(codec.decode(p.replace(tuple(summed))).reshape(out.shape))
+        codec.decode_into(p.replace(tuple(summed)), out)
+
+
+def _joined(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one flat tensor: a view when they already lie back to back in one buffer, else a copy."""
+    first = ts[0]
+    if all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in ts):
+        offset = first.storage_offset()
+        for t in ts:
+            if t.storage_offset() != offset:
+                break
+            offset += t.numel()
+        else:
+            base = torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage())
+            return base[first.storage_offset() : offset]
+    return torch.cat([t.reshape(-1) for t in ts])
 
 
 def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:

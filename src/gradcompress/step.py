@@ -317,13 +317,16 @@ class Step:
         if self._momentum is not None:
             for k, g in dense:
                 self._with_momentum(k, g)
-        inputs = [self._input(k, g) for k, g in comp]
+        # summed codecs read their inputs only before the collective, so they may alias the gradients, which
+        # then receive the result directly (no temporary output, no final copy)
+        summed = aggregation is Aggregation.SUM
+        inputs = [self._input(k, g, private=not summed) for k, g in comp]
         device = grads[0].device if grads else None
         ok = [all_finite(x) for x in inputs] + [all_finite(g) for _, g in dense]
         flag = torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
         dtype = grads[0].dtype if grads else torch.float32
         dense_flat = torch.cat([g.reshape(-1) for _, g in dense] + [flag.reshape(1).to(dtype)])
-        outs = [torch.empty_like(x) for x in inputs]
+        outs = [g if summed and g.is_contiguous() else torch.empty_like(x) for x, (_, g) in zip(inputs, comp)]
         jobs = [exchange.dense_mean(comm, dense_flat)]
         if comp:
             jobs.append(self._compressed_job(codec, aggregation, [k for k, _ in comp], inputs, outs))
@@ -344,10 +347,12 @@ class Step:
         for (k, g), out in zip(comp, outs):
             if not codec.preserves_nonfinite:
                 out.view(-1)[:1].add_(flag)
-            g.copy_(out.view(g.shape))
+            if out is not g:
+                g.copy_(out.view(g.shape))
 
-    def _input(self, key, grad: torch.Tensor) -> torch.Tensor:
-        """What gets compressed: clip -> momentum correction -> + residual, float32 and contiguous."""
+    def _input(self, key, grad: torch.Tensor, private: bool = True) -> torch.Tensor:
+        """What gets compressed: clip -> momentum correction -> + residual, float32 and contiguous
+        (``private``: never the gradient's own storage)."""
         x = grad.detach().float().contiguous()
         if self._clip is not None:
             x, _ = self._clip.update(x)
@@ -358,7 +363,7 @@ class Step:
             self._refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
         if self._ef is not None:
             x, _ = self._ef.update(x, self.old("residual", key))
-        if x.data_ptr() == grad.data_ptr():
+        if private and x.data_ptr() == grad.data_ptr():
             x = x.clone()  # the gradient is overwritten with the result while x may still be read
         return x
 
@@ -386,9 +391,13 @@ class Step:
         comm = self.comm
         world = comm.world
         if aggregation is Aggregation.SUM:
-            payloads = []
-            for k, x in zip(keys, inputs):
-                p = codec.encode(x / world, seed=self.seed(k, codec))
+            dtype = codec.mean_part_dtype(inputs[0]) if inputs else None
+            buf = torch.empty(sum(x.numel() for x in inputs), dtype=dtype, device=inputs[0].device) if dtype else None
+            payloads, offset = [], 0
+            for k, x in zip(keys, inputs):  # casts write straight into one buffer: the all-reduce needs no cat
+                part = buf[offset : offset + x.numel()] if buf is not None else None
+                offset += x.numel()
+                p = codec.encode_mean_part(x, world, seed=self.seed(k, codec), out=part)
                 self._delivered(k, x, lambda p=p: codec.decode(p).float() * world)
                 payloads.append(p)
             yield from exchange.sum_mean(comm, codec, payloads, outs)

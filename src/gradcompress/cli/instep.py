@@ -11,14 +11,18 @@ network is as fast as this machine's memory and the overhead of the step shows):
   call per tensor), timed in the same processes, interleaved with the scheme's steps;
 * ``state``: memory the first step left allocated (residuals, factors), and ``peak``:
   the highest memory during a steady-state step above what was held before it, both as
-  multiples of the gradients' bytes. Measured from the process's resident set (Linux:
-  ``VmHWM`` reset through ``/proc/self/clear_refs``); elsewhere they are ``None``.
+  multiples of the gradients' bytes, from a second launch (2 steady steps). Measured from the process's resident set (Linux:
+  ``VmHWM`` reset through ``/proc/self/clear_refs``; the workers run with glibc's
+  ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set); elsewhere
+  they are ``None``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 def _rss_kb(field: str) -> int | None:
@@ -42,8 +46,9 @@ def _reset_peak() -> bool:
 
 
 def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices: int, repeats: int,
-                   seed: int) -> dict:
-    """``launch.run`` target: time every scheme's steps and the dense all-reduce; rank 0's figures."""
+                   seed: int, memory: bool) -> dict:
+    """``launch.run`` target: time every scheme's steps and the dense all-reduce (``memory``: measure the
+    memory instead, in processes whose freed blocks leave the resident set); rank 0's figures."""
     import torch
     import torch.distributed as dist
 
@@ -81,14 +86,14 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
         dist.barrier()
         before = _rss_kb("VmRSS")
         comp.synchronize(params)  # the first step: allocates the state
-        state_kb = None if before is None else _rss_kb("VmRSS") - before
+        state_kb = None if before is None or not memory else _rss_kb("VmRSS") - before
         times, peaks = [], []
         for _ in range(repeats):
             dense_times.append(timed(dense))
             fresh()
             dist.barrier()
-            held = _rss_kb("VmRSS")
-            tracked = _reset_peak() and held is not None
+            held = _rss_kb("VmRSS") if memory else None
+            tracked = held is not None and _reset_peak()
             start = time.perf_counter()
             comp.synchronize(params)
             times.append(time.perf_counter() - start)
@@ -106,11 +111,27 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
 
 
 def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeats: int, seed: int) -> dict:
+    import os
+
     from .. import launch
 
-    results = launch.run(in_step_worker, workers, specs, size, matrices, repeats, seed,
-                         timeout=120 + 30 * len(specs) * repeats, collective_timeout=120)
-    r = results[0]
+    timeout = 120 + 30 * len(specs) * repeats
+    r = launch.run(in_step_worker, workers, specs, size, matrices, repeats, seed, False, timeout=timeout,
+                   collective_timeout=120)[0]
+    # memory, in a second launch: glibc then serves large blocks from mmap and returns them when freed, so
+    # the resident set is live memory (that slows allocation, hence not in the timed launch)
+    saved = os.environ.get(MMAP_ENV)
+    os.environ[MMAP_ENV] = str(1 << 16)
+    try:
+        mem = launch.run(in_step_worker, workers, specs, size, matrices, 2, seed, True, timeout=timeout,
+                         collective_timeout=120)[0]
+    finally:
+        if saved is None:
+            os.environ.pop(MMAP_ENV, None)
+        else:
+            os.environ[MMAP_ENV] = saved
+    for row, m in zip(r["schemes"], mem["schemes"]):
+        row["state_x"], row["peak_x"] = m["state_x"], m["peak_x"]
     for row in r["schemes"]:
         row["vs_dense"] = row["step_seconds"] / r["dense_seconds"] if r["dense_seconds"] else None
     return {"workers": workers, "size": size, "matrices": matrices, "repeats": repeats, **r}

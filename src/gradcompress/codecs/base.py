@@ -154,6 +154,21 @@ class Codec:
         flat = self._decode(payload.tensors, n, payload.seed, device)
         return flat.to(payload.dtype).reshape(payload.shape)
 
+    # ----------------------------------------------------------------- the step's summed path
+    def mean_part_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The wire dtype when :meth:`encode_mean_part` can write into a caller's buffer (casts), else None."""
+        return None
+
+    def encode_mean_part(self, x: torch.Tensor, world: int, *, seed: int | None = None,
+                         out: torch.Tensor | None = None) -> Payload:
+        """``encode(x / world)``: this rank's part of a summable mean. Codecs may fuse the division
+        (same values) and write into ``out`` (a flat buffer of :meth:`mean_part_dtype`)."""
+        return self.encode(x / world, seed=seed)
+
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out.copy_(decode(payload))`` (same values; codecs may skip the temporary)."""
+        out.copy_(self.decode(payload).reshape(out.shape))
+
     def wire_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes one encode of a tensor of ``numel`` elements sends (fixed-layout codecs)."""
         x = torch.zeros(numel, dtype=dtype)
