@@ -125,6 +125,8 @@ class Compressor:
         #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
         self.dense_codec = make("none")
         self.state = State()
+        #: per-key scratch buffers reused every step (the error-fed input), not part of the state
+        self.workspace: dict = {}
         if self.codec.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
             from .codecs import fast
 

@@ -80,14 +80,26 @@ class State:
     def __init__(self) -> None:
         self.step = 0
         self.slots: dict[str, dict] = {name: {} for name in SLOTS}
+        #: (slot, key) -> the residual a commit replaced, reused as the next step's output buffer (not state)
+        self.spare: dict = {}
 
     def get(self, slot: str, key: Hashable):
         return self.slots[slot].get(key)
 
     def commit(self, new: dict) -> None:
         for (slot, key), value in new.items():
+            old = self.slots[slot].get(key)
+            if slot in RECYCLED and old is not None and old is not value and _same_layout(old, value):
+                self.spare[slot, key] = old  # nothing else holds it: it becomes the next new residual's buffer
             self.slots[slot][key] = value
         self.step += 1
+
+    def take_spare(self, slot: str, key, shape, dtype, device) -> torch.Tensor | None:
+        """A recycled buffer for ``slot``/``key`` of that layout, or None."""
+        buf = self.spare.pop((slot, key), None)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+            return None
+        return buf
 
     def state_dict(self) -> dict:
         out = {"step": self.step}
@@ -96,6 +108,7 @@ class State:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        self.spare = {}
         self.step = int(state["step"])
         for name in SLOTS:
             self.slots[name] = {_key(k): v.clone() for k, v in state.get(name, {}).items()}
@@ -112,6 +125,14 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=x.device)
     lo, hi = torch.aminmax(x)
     return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+#: slots whose replaced tensors are recycled as buffers (their new value never reads the old tensor in place)
+RECYCLED = ("residual", "server_residual")
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
 
 
 def _key(text: str):
@@ -259,6 +280,18 @@ class Step:
     def put(self, slot: str, key: Hashable, value: torch.Tensor) -> None:
         self._new[slot, key] = value
 
+    def _spare(self, slot: str, key, like: torch.Tensor) -> torch.Tensor | None:
+        """The recycled buffer for a new residual shaped like ``like`` (in the residual dtype), or None."""
+        return self.compressor.state.take_spare(slot, key, like.shape, self.compressor.residual_dtype, like.device)
+
+    def _work(self, name: str, key, like: torch.Tensor) -> torch.Tensor:
+        """A persistent scratch buffer of ``like``'s layout for ``key`` (lives across steps, never state)."""
+        work = self.compressor.workspace
+        buf = work.get((name, key))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = work[name, key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buf
+
     def check(self, flag: torch.Tensor) -> None:
         """Add a 0-d bool (the same on every rank) to the finiteness decision of :meth:`end`."""
         self._checks.append(flag)
@@ -362,7 +395,8 @@ class Step:
         if self.monitoring:
             self._refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
         if self._ef is not None:
-            x, _ = self._ef.update(x, self.old("residual", key))
+            residual = self.old("residual", key)
+            x, _ = self._ef.update(x, residual, out=self._work("input", key, x) if residual is not None else None)
         if private and x.data_ptr() == grad.data_ptr():
             x = x.clone()  # the gradient is overwritten with the result while x may still be read
         return x
@@ -383,7 +417,7 @@ class Step:
             return cache[0]
 
         if self._ef is not None:
-            self.put("residual", key, self._ef.after(None, sent, once))
+            self.put("residual", key, self._ef.after(None, sent, once, out=self._spare("residual", key, sent)))
         if masking:
             self.put("momentum", key, self._momentum.after(self.new("momentum", key), sent, once))
 
@@ -460,7 +494,8 @@ class Step:
             residual = None  # a checkpoint from another world size: restart this residual
         y, _ = self._server_ef.update(mean_chunk, residual)
         payload = codec.encode(y, seed=seed)
-        self.put("server_residual", key, self._server_ef.after(None, y, lambda: codec.decode(payload).float()))
+        self.put("server_residual", key, self._server_ef.after(None, y, lambda: codec.decode(payload).float(),
+                                                               out=self._spare("server_residual", key, y)))
         return payload
 
     # ---------------------------------------------------------------- PowerSGD rounds

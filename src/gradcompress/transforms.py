@@ -74,13 +74,18 @@ class ErrorFeedback:
 
     dtype: torch.dtype = torch.float32
 
-    def update(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def update(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None):
+        """x + residual (into ``out`` when given: a buffer of x's shape and dtype that aliases neither)."""
         if residual is None:
             return x, None
-        return x + residual.to(x.dtype), None
+        return torch.add(x, residual.to(x.dtype), out=out) if out is not None else x + residual.to(x.dtype), None
 
-    def after(self, state, sent: torch.Tensor, delivered) -> torch.Tensor:
-        return (sent - delivered().reshape(sent.shape).to(sent.dtype)).to(self.dtype)
+    def after(self, state, sent: torch.Tensor, delivered, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The new residual, sent - delivered, in ``dtype`` (written into ``out`` when given: the same values)."""
+        d = delivered().reshape(sent.shape).to(sent.dtype)
+        if out is not None:
+            return torch.sub(sent, d, out=out)
+        return (sent - d).to(self.dtype)
 
 
 __all__ = ["Clip", "ErrorFeedback", "MomentumCorrection"]
