@@ -9,9 +9,11 @@ network is as fast as this machine's memory and the overhead of the step shows):
   ``"auto"``, so on for int8, sign, topk, powersgd), rank 0's time;
 * ``dense``: the median of a plain ``all_reduce`` + divide of the same gradients (one
   call per tensor), timed in the same processes, interleaved with the scheme's steps;
-* ``state``: memory the first step left allocated (residuals, factors), and ``peak``:
+* ``held``: memory the compressor keeps between steady steps (residuals, factors, reused
+  buffers; ``state``: what the first step left), and ``peak``:
   the highest memory during a steady-state step above what was held before it, both as
-  multiples of the gradients' bytes, from a second launch (2 steady steps). Measured from the process's resident set (Linux:
+  multiples of the gradients' bytes, from a second launch (the third step after the first: by then
+  every recycled buffer exists). Measured from the process's resident set (Linux:
   ``VmHWM`` reset through ``/proc/self/clear_refs``; the workers run with glibc's
   ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set); elsewhere
   they are ``None``.
@@ -87,7 +89,7 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
         before = _rss_kb("VmRSS")
         comp.synchronize(params)  # the first step: allocates the state
         state_kb = None if before is None or not memory else _rss_kb("VmRSS") - before
-        times, peaks = [], []
+        times, peaks, helds = [], [], []
         for _ in range(repeats):
             dense_times.append(timed(dense))
             fresh()
@@ -99,10 +101,12 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
             times.append(time.perf_counter() - start)
             if tracked:
                 peaks.append(_rss_kb("VmHWM") - held)
+                helds.append(held - before)
         out["schemes"].append({
             "scheme": spec, "error_feedback": comp.error_feedback, "step_seconds": statistics.median(times),
             "state_x": None if state_kb is None else max(0, state_kb) * 1024 / grad_bytes,
-            "peak_x": max(peaks) * 1024 / grad_bytes if peaks else None,
+            "peak_x": peaks[-1] * 1024 / grad_bytes if peaks else None,  # the last: buffers are recycled by then
+            "held_x": max(0, helds[-1]) * 1024 / grad_bytes if helds else None,
             "wire_bytes_per_step": comp.stats()["wire_bytes"] / comp.stats()["steps"],
         })
         del comp
@@ -123,7 +127,7 @@ def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeat
     saved = os.environ.get(MMAP_ENV)
     os.environ[MMAP_ENV] = str(1 << 16)
     try:
-        mem = launch.run(in_step_worker, workers, specs, size, matrices, 2, seed, True, timeout=timeout,
+        mem = launch.run(in_step_worker, workers, specs, size, matrices, 3, seed, True, timeout=timeout,
                          collective_timeout=120)[0]
     finally:
         if saved is None:
@@ -131,7 +135,7 @@ def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeat
         else:
             os.environ[MMAP_ENV] = saved
     for row, m in zip(r["schemes"], mem["schemes"]):
-        row["state_x"], row["peak_x"] = m["state_x"], m["peak_x"]
+        row["state_x"], row["peak_x"], row["held_x"] = m["state_x"], m["peak_x"], m["held_x"]
     for row in r["schemes"]:
         row["vs_dense"] = row["step_seconds"] / r["dense_seconds"] if r["dense_seconds"] else None
     return {"workers": workers, "size": size, "matrices": matrices, "repeats": repeats, **r}
@@ -141,8 +145,8 @@ def format_in_step(result: dict) -> str:
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    head = ("scheme", "step ms", "x dense", "state x grad", "peak x grad", "sent/step")
-    rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["state_x"], ".2f"),
+    head = ("scheme", "step ms", "x dense", "held x grad", "peak x grad", "sent/step")
+    rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["held_x"], ".2f"),
                       f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB") for r in result["schemes"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
@@ -153,7 +157,8 @@ def format_in_step(result: dict) -> str:
         lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines.append("step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce time; state: "
-                 "memory the first step left allocated; peak: highest extra memory during a later step; "
-                 "both in multiples of the gradients' bytes (resident set, Linux)")
+    lines.append("step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce time; held: memory "
+                 "the compressor keeps between steady steps (state and reused buffers); peak: highest extra memory "
+                 "during a steady step (the 4th) above that; both in multiples of the gradients' bytes (resident "
+                 "set, Linux)")
     return "\n".join(lines)
