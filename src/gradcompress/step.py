@@ -44,7 +44,7 @@ import torch
 
 from . import exchange
 from .codecs.base import Aggregation, Codec
-from .codecs.lowrank import initial_q, orthonormalize_
+from .codecs.lowrank import initial_q, orthonormalize_, transposed_product
 from .schedule import codec_at
 from .transforms import Clip, ErrorFeedback, MomentumCorrection
 
@@ -530,7 +530,7 @@ class Step:
             ps = torch.cat([(m @ q).reshape(-1) for m, q in zip(mats, qs)])
             yield [comm.all_reduce(ps)]
             p_hat = [orthonormalize_(p) for p in _split(ps, [(m.shape[0], r) for m, r in zip(mats, rank_of)])]
-            q_local = [m.T @ p for m, p in zip(mats, p_hat)]
+            q_local = [transposed_product(m, p) for m, p in zip(mats, p_hat)]
             for k, x, p, q in zip(keys, inputs, p_hat, q_local):
                 self._delivered(k, x, lambda p=p, q=q: p @ q.T)
             q_flat = torch.cat([q.reshape(-1) for q in q_local])
@@ -543,7 +543,7 @@ class Step:
         p_step = self.index % 2 == 0
         bases = [self._basis("q" if p_step else "p", k, m.shape[1] if p_step else m.shape[0], r, dev,
                              1 if p_step else 2) for k, m, r in zip(keys, mats, rank_of)]
-        local = [(m @ b) if p_step else (m.T @ b) for m, b in zip(mats, bases)]
+        local = [(m @ b) if p_step else transposed_product(m, b) for m, b in zip(mats, bases)]
         for k, x, b, f in zip(keys, inputs, bases, local):
             self._delivered(k, x, lambda f=f, b=b: f @ b.T if p_step else b @ f.T)
         flat = torch.cat([f.reshape(-1) for f in local])
