@@ -66,7 +66,8 @@ def test_short_lm_demo_writes_the_table_and_results(tmp_path, capsys):
     assert runs["none"]["val_loss_vs_none_pct"] == 0
     assert runs["int4:diloco=4"]["stats"]["syncs"] == 3  # 12 steps, H = 4
     assert runs["int4:diloco=4"]["bytes_per_step"] < runs["int8"]["bytes_per_step"] / 4
-    assert runs[cadam]["optimizer"].startswith("CompressedAdam(codec='topk:ratio=0.05,values=int8")
+    assert runs[cadam]["optimizer"].startswith("CompressedAdam(codec='topk:")
+    assert "ratio=0.05" in runs[cadam]["optimizer"] and "values=int8" in runs[cadam]["optimizer"]
     assert runs[cadam]["warmup_steps"] == 5 and runs[cadam]["stats"]["compressed_steps"] == 7
     assert runs[cadam]["bytes_per_step_compressed"] < runs["int8"]["bytes_per_step_compressed"] / 2
     assert (out / "report.png").stat().st_size > 10000

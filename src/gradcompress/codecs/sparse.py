@@ -29,8 +29,6 @@ from . import fast
 from .base import Aggregation, Codec, Payload, generator
 
 _RATIO = Range(0, 1, lo_open=True)
-#: salts of random-k's position streams (offset, stride)
-_RANDOMK_OFFSET, _RANDOMK_STRIDE = 0x52414E44, 0x4B535452
 #: DGC's sparsity warm-up densities, one per stage
 DGC_STAGES = (0.25, 0.0625, 0.015625, 0.00390625)
 
@@ -173,14 +171,6 @@ class RandomK(Codec):
 
     Every rank must encode with the same seed (the exchange does this), so payloads
     add up and one all-reduce suffices. ``scale=true`` multiplies by n/k: unbiased.
-
-    The positions are ``(offset + i * stride) mod n`` for i < k, with ``offset`` uniform in
-    [0, n) and ``stride`` in about [n/k, 2n/k) and coprime to n, both from a counter-based
-    hash of the seed: k distinct positions in O(k) work (no permutation of all n), visited
-    in one or two ordered sweeps (cache-friendly), reproduced bit for bit on every rank and
-    device. Each position is kept with probability exactly k/n (the offset is uniform),
-    which is what unbiasedness and the variance n/k ||x||^2 need; unlike a uniformly random
-    subset, the kept positions of one step are evenly spaced modulo n (a random grid).
     """
 
     ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
@@ -200,18 +190,7 @@ class RandomK(Codec):
         k = kept_count(self.ratio, n)
         if k == n:
             return torch.arange(n, device=device)
-        offset = fast.stream_key(seed, _RANDOMK_OFFSET) % n
-        # a stride in [n/k, 2n/k): the k positions sweep the tensor once or twice in order (cache-friendly)
-        base = -(-n // k)
-        stride = min(n - 1, base + fast.stream_key(seed, _RANDOMK_STRIDE) % base)
-        while math.gcd(stride, n) != 1:  # the next candidate; coprime strides are dense among integers
-            stride = 1 + stride % (n - 1)
-        sweeps, start, left = [], offset, k  # (offset + i * stride) mod n, one ordered arange per sweep
-        while left:
-            count = min(left, -(-(n - start) // stride))
-            sweeps.append(torch.arange(start, start + count * stride, stride, dtype=torch.int64, device=device))
-            start, left = start + count * stride - n, left - count
-        return sweeps[0] if len(sweeps) == 1 else torch.cat(sweeps)
+        return torch.randperm(n, generator=generator(seed, device), device=device)[:k]
 
     def _encode(self, flat, seed):
         vals = flat[self.positions(flat.numel(), seed, flat.device)]
