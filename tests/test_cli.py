@@ -189,3 +189,19 @@ def test_bench_subset_table(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "topk:ratio=0.01,values=int8" in out and "int8" in out and "encode GB/s" in out
+
+
+def test_bench_in_step_json(capsys):
+    """--in-step: a whole Compressor step per scheme against a dense all-reduce, with its memory (2 workers)."""
+    rc = main(["bench", "--in-step", "--codecs", "none;int8", "--size", "256", "--matrices", "2", "--repeats", "2",
+               "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workers"] == 2 and data["grad_bytes"] == 2 * 256 * 256 * 4 and data["dense_seconds"] > 0
+    rows = {r["scheme"]: r for r in data["schemes"]}
+    assert rows["none"]["wire_bytes_per_step"] == data["grad_bytes"]  # 2 workers: a ring all-reduce sends n
+    assert rows["int8"]["wire_bytes_per_step"] < data["grad_bytes"] / 3
+    assert rows["int8"]["error_feedback"] and not rows["none"]["error_feedback"]
+    for r in rows.values():
+        assert r["step_seconds"] > 0 and r["vs_dense"] > 0
+        assert r["held_x"] is None or r["held_x"] >= 0

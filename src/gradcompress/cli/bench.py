@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from .common import CLIError, positive_int, split_schemes
+from .common import CLIError, positive_int, split_schemes, table_lines
 
 EXTRA_CODECS = ("topk:ratio=0.01,values=int8", "int8:stochastic=true", "powersgd:rank=4")
 MATRIX_ROWS = 4096
@@ -177,14 +177,10 @@ def format_table(result: dict) -> str:
     rows = [head] + [(r["codec"], f(r["encode_gbps"], ".2f"), f(r["decode_gbps"], ".2f"),
                       f(r["vs_fp16_roundtrip"], ".1f"), f(r["compression_ratio"], ".1f"),
                       f(r["relative_error"], ".3g")) for r in result["codecs"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [f"{result['numel']:,} float32 values on {result['device']} ({result['threads']} threads), "
              f"median of {result['repeats']}; float16 round trip x.half().float(): "
              f"{1000 * result['fp16_roundtrip_seconds']:.2f} ms ({f(result['fp16_roundtrip_gbps'], '.2f')} GB/s)"]
-    for k, row in enumerate(rows):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table_lines(rows)
     lines.append("x fp16 trip: (encode + decode time) / float16 round trip time; ratio: input bytes / payload "
                  "bytes; rel. error: ||decode - x|| / ||x||; powersgd on a 4096 x (numel/4096) matrix")
     return "\n".join(lines)

@@ -67,3 +67,14 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
+    """A text table: the first row is the header (underlined), the first column left-aligned, the rest right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines

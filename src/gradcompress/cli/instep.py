@@ -24,6 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from .common import table_lines
+
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
@@ -148,15 +150,11 @@ def format_in_step(result: dict) -> str:
     head = ("scheme", "step ms", "x dense", "held x grad", "peak x grad", "sent/step")
     rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["held_x"], ".2f"),
                       f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB") for r in result["schemes"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
              f"{result['size']} x {result['size']} ({result['grad_bytes'] / 1e6:.1f} MB), median of "
              f"{result['repeats']} steps; dense all_reduce of the same gradients: "
              f"{1000 * result['dense_seconds']:.1f} ms"]
-    for k, row in enumerate(rows):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table_lines(rows)
     lines.append("step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce time; held: memory "
                  "the compressor keeps between steady steps (state and reused buffers); peak: highest extra memory "
                  "during a steady step (the 4th) above that; both in multiples of the gradients' bytes (resident "

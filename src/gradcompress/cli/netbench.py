@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 
-from .common import CLIError, human_bytes, positive_int, split_schemes
+from .common import CLIError, human_bytes, positive_int, split_schemes, table_lines
 
 MODELS = ("mlp", "cnn", "tiny", "lm")
 PORT = 29500
@@ -492,7 +492,6 @@ def format_table(result: dict) -> str:
                      "-" if r["codec_s_per_step"] is None else f"{1e3 * r['codec_s_per_step']:.1f}",
                      "-" if r.get("wait_s_per_step") is None else f"{1e3 * r['wait_s_per_step']:.1f}",
                      str(r["buckets"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lat = f", {result['latency_s'] * 1e3:g} ms one-way delay" if result["latency_s"] else ""
     mode = "FSDP2 (fully_shard per layer and root), " if result.get("fsdp") else ""
     lines = [f"{mode}{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
@@ -503,10 +502,7 @@ def format_table(result: dict) -> str:
              f"sends nothing {1e3 * result['ddp_floor_s']:.1f} ms/step; 4-byte all-reduce "
              f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
              f"{human_bytes(result['allreduce_payload_bandwidth'])}/s payload per host"]
-    for k, row in enumerate(rows):
-        lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table_lines(rows)
     lines.append(f"speed-up: over {result['baseline'] or 'n/a'}; iface: bytes each host's veth transmitted per "
                  "step (mean over hosts); wire: Compressor.stats() wire_bytes per step, '(model)': the same ring "
                  "count computed for a PyTorch baseline; codec / wait: Compressor.stats() codec_seconds / "
