@@ -205,3 +205,14 @@ def test_bench_in_step_json(capsys):
     for r in rows.values():
         assert r["step_seconds"] > 0 and r["vs_dense"] > 0
         assert r["held_x"] is None or r["held_x"] >= 0
+
+
+def test_bench_versus_torch_hooks_json(capsys):
+    """--in-step --versus-torch: PyTorch's own DDP hooks and ours in one launch (real DDP, 2 gloo workers)."""
+    rc = main(["bench", "--in-step", "--versus-torch", "--size", "128", "--matrices", "2", "--repeats", "2", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [v["variant"] for v in data["variants"]]
+    assert names[0] == "DDP (no hook)" and "torch fp16_compress_hook" in names and "powersgd:rank=4" in names
+    assert data["variants"][0]["vs_ddp"] == 1.0
+    assert all(v["step_seconds"] > 0 for v in data["variants"])

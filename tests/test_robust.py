@@ -10,7 +10,7 @@ import robust_workers as rw
 from gradcompress import launch
 
 TIMEOUT = 240
-OVERFLOW_SCHEMES = ["dgc:ratio=0.05", "topk:ratio=0.05", "powersgd:rank=2", "sign", "int8",
+OVERFLOW_SCHEMES = ["dgc:ratio=0.05", "topk:ratio=0.05", "powersgd:rank=2", "sign", "int8", "fp16:momentum=0.9",
                     "sign:momentum=0.9,server_error_feedback=true", "int4:server_error_feedback=true"]
 
 

@@ -221,14 +221,19 @@ def dense_mean(comm: Collectives, flat: torch.Tensor) -> Job:
         flat.div_(comm.world)
 
 
-def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:
-    """Summable payloads (already encoded from x / W): one all-reduce, decode into ``outs``."""
+def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
+             summed: Callable[[torch.Tensor], None] | None = None) -> Job:
+    """Summable payloads (already encoded from x / W): one all-reduce, decode into ``outs``.
+    ``summed(flat)`` is called with each all-reduced flat buffer (the step checks finiteness there)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in payloads:
         for t in p.tensors:
             groups.setdefault(t.dtype, []).append(t)
     flats = {dt: _joined(ts) for dt, ts in groups.items()}
     yield [comm.all_reduce(f) for f in flats.values()]
+    if summed is not None:
+        for f in flats.values():
+            summed(f)
     offsets = dict.fromkeys(flats, 0)
     for p, out in zip(payloads, outs):
         summed = []

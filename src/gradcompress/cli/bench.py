@@ -58,6 +58,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--size", type=positive_int, default=2048, help="--in-step: gradient matrices are SIZE x SIZE "
                    "(default 2048)")
     p.add_argument("--matrices", type=positive_int, default=3, help="--in-step: how many (default 3)")
+    p.add_argument("--versus-torch", action="store_true",
+                   help="--in-step: instead, DDP steps (backward of --matrices bias-free SIZE x SIZE linear layers, "
+                        "batch 64, one bucket) with PyTorch's fp16_compress_hook and powerSGD_hook (rank 4) against "
+                        "ours (fp16, powersgd:rank=4, int8) and plain DDP, side by side")
     p.set_defaults(run=run)
     return p
 
@@ -137,6 +141,12 @@ def run(args: argparse.Namespace) -> int:
 
         if args.device != "cpu":
             raise CLIError("--in-step runs gloo workers on the CPU; --device cuda does not apply")
+        if args.versus_torch:
+            from .instep import format_ddp_versus_torch, run_ddp_versus_torch
+
+            result = run_ddp_versus_torch(args.workers, args.size, args.matrices, 64, args.repeats or 6, args.seed)
+            print(json.dumps(result, indent=1, allow_nan=False) if args.json else format_ddp_versus_torch(result))
+            return 0
         result = run_in_step(specs, args.workers, args.size, args.matrices, args.repeats or 6, args.seed)
         print(json.dumps(result, indent=1, allow_nan=False) if args.json else format_in_step(result))
         return 0

@@ -160,3 +160,78 @@ def format_in_step(result: dict) -> str:
                  "during a steady step (the 4th) above that; both in multiples of the gradients' bytes (resident "
                  "set, Linux)")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- against PyTorch's own DDP hooks
+#: (label, how) of the DDP variants timed side by side: plain DDP, PyTorch's hooks, ours
+DDP_VARIANTS = (("DDP (no hook)", None), ("torch fp16_compress_hook", "torch:fp16"),
+                ("torch powerSGD_hook rank 4", "torch:powersgd"), ("fp16", "fp16"), ("powersgd:rank=4", "powersgd:rank=4"),
+                ("int8", "int8"))
+
+
+def ddp_worker(rank: int, world: int, size: int, layers: int, batch: int, repeats: int, seed: int) -> dict:
+    """``launch.run`` target: the backward of ``layers`` bias-free size x size linear layers under DDP (one bucket),
+    per variant the median step time (zero_grad, forward, backward with the hook), interleaved round by round."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import gradcompress
+
+    torch.manual_seed(seed)
+    base = nn.Sequential(*[nn.Linear(size, size, bias=False) for _ in range(layers)])
+    x = torch.randn(batch, size, generator=torch.Generator().manual_seed(seed * 1000 + rank))
+    models = []
+    for _, how in DDP_VARIANTS:
+        model = nn.Sequential(*[nn.Linear(size, size, bias=False) for _ in range(layers)])
+        model.load_state_dict(base.state_dict())
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4 * size * size * layers / 2**20 + 1)
+        if how == "torch:fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif how == "torch:powersgd":  # start_powerSGD_iter=2: compress from the third step, as ours after warm-up
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif how is not None:
+            gradcompress.register_ddp_hook(ddp, how)
+        models.append(ddp)
+
+    def step(ddp) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        ddp.zero_grad(set_to_none=False)
+        ddp(x).square().mean().backward()
+        return time.perf_counter() - start
+
+    for ddp in models:  # warm-up: dense steps of the schedules, state allocation
+        for _ in range(3):
+            step(ddp)
+    times = [[] for _ in models]
+    for _ in range(repeats):
+        for i, ddp in enumerate(models):
+            times[i].append(step(ddp))
+    return {"variants": [{"variant": label, "step_seconds": statistics.median(t)}
+                         for (label, _), t in zip(DDP_VARIANTS, times)]}
+
+
+def run_ddp_versus_torch(workers: int, size: int, layers: int, batch: int, repeats: int, seed: int) -> dict:
+    from .. import launch
+
+    r = launch.run(ddp_worker, workers, size, layers, batch, repeats, seed, timeout=300 + 20 * repeats,
+                   collective_timeout=120)[0]
+    base = r["variants"][0]["step_seconds"]
+    for v in r["variants"]:
+        v["vs_ddp"] = v["step_seconds"] / base if base else None
+    return {"workers": workers, "size": size, "layers": layers, "batch": batch, "repeats": repeats, **r}
+
+
+def format_ddp_versus_torch(result: dict) -> str:
+    rows = [("variant", "step ms", "x DDP")] + [(v["variant"], f"{1000 * v['step_seconds']:.1f}", f"{v['vs_ddp']:.2f}")
+                                                for v in result["variants"]]
+    lines = [f"{result['workers']} gloo workers on loopback, DDP (one bucket) over {result['layers']} bias-free "
+             f"{result['size']} x {result['size']} linear layers, batch {result['batch']}, median of "
+             f"{result['repeats']} steps (zero_grad + forward + backward), variants interleaved"]
+    lines += table_lines(rows)
+    lines.append("x DDP: step time / plain DDP's; ours with library defaults (error feedback off for fp16, on for "
+                 "powersgd and int8); torch's powerSGD_hook with start_powerSGD_iter=2, error feedback and warm start")
+    return "\n".join(lines)
