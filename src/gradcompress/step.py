@@ -131,6 +131,17 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
 RECYCLED = ("residual", "server_residual")
 
 
+def decode_chunks(codec: Codec, payloads: list, n: int, device) -> torch.Tensor:
+    """The first ``n`` values of the chunks' decodes, back to back, in float32 (each chunk decoded into its
+    place: no full-size temporaries besides the result)."""
+    out = torch.empty(sum(p.numel for p in payloads), dtype=torch.float32, device=device)
+    offset = 0
+    for p in payloads:
+        codec.decode_into(p, out[offset : offset + p.numel])
+        offset += p.numel
+    return out[:n]
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
 
@@ -158,6 +169,7 @@ class Step:
         self._ef = ErrorFeedback(c.residual_dtype) if c.error_feedback else None
         self._server_ef = ErrorFeedback(c.residual_dtype) if c.server_error_feedback else None
         self._new: dict = {}  # (slot, key) -> new state, committed by end()
+        self._owned: dict = {}  # key -> this step's error-fed input, a buffer of ours (the new residual's home)
         self._checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
         self._launched: list = []
         every = c.monitor_every
@@ -216,9 +228,9 @@ class Step:
             seeds = [mix_seed(seed, j) for j in range(world)]
         chunks = x.view(world, -1)
         payloads = [codec.encode(c, seed=s) for c, s in zip(chunks, seeds)]
+        flag = torch.where(all_finite(x), 0.0, math.nan).reshape(1).to(torch.float32)  # before x becomes the residual
         if codec is not self.compressor.dense_codec:
-            self._delivered(key, x, lambda: torch.cat([codec.decode(p).float().reshape(-1) for p in payloads]))
-        flag = torch.where(all_finite(x), 0.0, math.nan).reshape(1).to(torch.float32)
+            self._delivered(key, x, lambda: decode_chunks(codec, payloads, x.numel(), x.device))
         total = torch.empty(output.numel(), dtype=torch.float32, device=output.device)
         yield from exchange.parallel([exchange.reduce_scatter_sum(comm, codec, payloads, total),
                                       exchange.dense_mean(comm, flag)])
@@ -362,7 +374,11 @@ class Step:
         flag = torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
         dtype = grads[0].dtype if grads else torch.float32
         dense_flat = torch.cat([g.reshape(-1) for _, g in dense] + [flag.reshape(1).to(dtype)])
-        outs = [g if summed and g.is_contiguous() else torch.empty_like(x) for x, (_, g) in zip(inputs, comp)]
+        # results land in the gradients themselves where nothing reads the inputs after the result is written
+        # (every path but PowerSGD's; beyond the summed one only for float32 gradients, so that sums round as before)
+        direct = [g.is_contiguous() and (summed or (aggregation is not Aggregation.LOWRANK and g.dtype == x.dtype))
+                  for x, (_, g) in zip(inputs, comp)]
+        outs = [g if d else torch.empty_like(x) for d, x, (_, g) in zip(direct, inputs, comp)]
         flagged = bool(dense) or not ride
         jobs = [exchange.dense_mean(comm, dense_flat)] if flagged else []
         if comp:
@@ -401,7 +417,16 @@ class Step:
             self._refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
         if self._ef is not None:
             residual = self.old("residual", key)
-            x, _ = self._ef.update(x, residual, out=self._work("input", key, x) if residual is not None else None)
+            if residual is not None:
+                # x + residual goes into a buffer of ours: the residual the last commit replaced (float32
+                # residuals; the new residual is then computed in place there) or a persistent workspace
+                in_place = residual.dtype == x.dtype
+                buf = self._spare("residual", key, x) if in_place else None
+                if buf is None:
+                    buf = torch.empty_like(x) if in_place else self._work("input", key, x)
+                x, _ = self._ef.update(x, residual, out=buf)
+                if in_place:
+                    self._owned[key] = x
         if private and x.data_ptr() == grad.data_ptr():
             x = x.clone()  # the gradient is overwritten with the result while x may still be read
         return x
@@ -421,8 +446,9 @@ class Step:
                 cache.append(delivered())
             return cache[0]
 
-        if self._ef is not None:
-            self.put("residual", key, self._ef.after(None, sent, once, out=self._spare("residual", key, sent)))
+        if self._ef is not None:  # in place where ``sent`` is our own buffer: nothing reads it after this
+            out = sent if self._owned.get(key) is sent else self._spare("residual", key, sent)
+            self.put("residual", key, self._ef.after(None, sent, once, out=out))
         if masking:
             self.put("momentum", key, self._momentum.after(self.new("momentum", key), sent, once))
 
@@ -457,8 +483,7 @@ class Step:
             chunked = []
             for k, x in zip(keys, inputs):
                 payloads = self.encode_chunks(codec, k, x)
-                self._delivered(k, x, lambda ps=payloads, n=x.numel():
-                                torch.cat([codec.decode(p).float() for p in ps])[:n])
+                self._delivered(k, x, lambda ps=payloads, n=x.numel(), d=x.device: decode_chunks(codec, ps, n, d))
                 chunked.append(payloads)
 
             def reencode(i: int, mean_chunk: torch.Tensor):
