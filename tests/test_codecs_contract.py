@@ -371,3 +371,17 @@ def test_summable_payloads_add_up(spec):
     total = codec.decode(payloads[0].replace(summed))
     expected = sum(codec.decode(p) for p in payloads)
     assert torch.allclose(total, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,values=int8", "dgc:ratio=0.05",
+                                  "threshold:value=0.5", "int8", "randomk:ratio=0.1"])
+def test_accumulate_into_is_adding_the_decode(spec):
+    """The gather path adds each rank's payload with accumulate_into: bit for bit ``out += decode(payload)``."""
+    codec = make(spec)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3000, generator=g)
+    base = torch.randn(3000, generator=g)
+    p = codec.encode(x, seed=11)
+    got = base.clone()
+    codec.accumulate_into(p, got)
+    assert torch.equal(got, base + codec.decode(p))

@@ -288,7 +288,7 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
             size = sum(s.numel() * torch.empty(0, dtype=d).element_size() for d, s in lay)
             tensors = from_bytes(buf[offset : offset + size], lay)
             offset += size
-            out.add_(codec.decode(p.replace(tensors)).reshape(out.shape))
+            codec.accumulate_into(p.replace(tensors), out)
     for out in outs:
         out.div_(comm.world)
 

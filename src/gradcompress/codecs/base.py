@@ -169,6 +169,10 @@ class Codec:
         """``out.copy_(decode(payload))`` (same values; codecs may skip the temporary)."""
         out.copy_(self.decode(payload).reshape(out.shape))
 
+    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
+        """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n))."""
+        out.add_(self.decode(payload).reshape(out.shape))
+
     def wire_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes one encode of a tensor of ``numel`` elements sends (fixed-layout codecs)."""
         x = torch.zeros(numel, dtype=dtype)
