@@ -39,6 +39,18 @@ def backward(model: nn.Module, rank: int, step: int) -> float:
     return loss.item()
 
 
+def average_by_hand(model: nn.Module, world: int) -> None:
+    """The gradients averaged by one all-reduce of their concatenation (as the optimizer's dense exchange
+    does it, so gloo sums in the same order), divided by the world size, written back."""
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(grads)
+    grads.div_(world)
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(grads[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
@@ -78,13 +90,7 @@ def main_checks(rank: int, world: int, warmup: int, compressed: int, ckpt: tuple
             backward(m, rank, step)
         # the reference's average: one all-reduce of the concatenated gradients, as the
         # optimizer does it (so gloo sums in the same order), then divide by the world size
-        grads = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-        dist.all_reduce(grads)
-        grads.div_(world)
-        offset = 0
-        for p in ref.parameters():
-            p.grad.copy_(grads[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        average_by_hand(ref, world)
         opt.step()
         ref_opt.step()
         sent.append(opt.bytes_sent() - before)
@@ -188,13 +194,7 @@ def compressed_adam_checks(rank: int, world: int, codecs: list[str], warmup: int
         for step in range(total):
             opt.zero_grad()
             backward(model, rank, step)
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(grads)
-            grads.div_(world)
-            offset = 0
-            for p in model.parameters():
-                p.grad.copy_(grads[offset : offset + p.numel()].view(p.shape))
-                offset += p.numel()
+            average_by_hand(model, world)
             opt.step()
         out["reference"] = flat(model)
     return out

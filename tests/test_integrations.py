@@ -2,12 +2,13 @@
 CompressedDDPStrategy, and Hugging Face Accelerate with register_ddp_hook (examples/)."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from gradcompress.launch import free_port
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -40,17 +41,11 @@ def test_options_are_routed_by_name():
         CompressedDDPStrategy("int9")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_accelerate_recipe_compresses(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'gradcompress[accelerate]')")
     script = os.path.join(EXAMPLES, "accelerate_ddp.py")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            script, str(tmp_path), "int8"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

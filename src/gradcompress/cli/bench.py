@@ -21,7 +21,8 @@ import statistics
 import sys
 import time
 
-from .common import CLIError, positive_int, split_schemes, table_lines
+from .common import CLIError, positive_int, split_schemes, text_table
+from .common import fmt as f
 
 EXTRA_CODECS = ("topk:ratio=0.01,values=int8", "int8:stochastic=true", "powersgd:rank=4")
 MATRIX_ROWS = 4096
@@ -180,17 +181,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(result: dict) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
     head = ("codec", "encode GB/s", "decode GB/s", "x fp16 trip", "ratio", "rel. error")
     rows = [head] + [(r["codec"], f(r["encode_gbps"], ".2f"), f(r["decode_gbps"], ".2f"),
                       f(r["vs_fp16_roundtrip"], ".1f"), f(r["compression_ratio"], ".1f"),
                       f(r["relative_error"], ".3g")) for r in result["codecs"]]
-    lines = [f"{result['numel']:,} float32 values on {result['device']} ({result['threads']} threads), "
+    title = (f"{result['numel']:,} float32 values on {result['device']} ({result['threads']} threads), "
              f"median of {result['repeats']}; float16 round trip x.half().float(): "
-             f"{1000 * result['fp16_roundtrip_seconds']:.2f} ms ({f(result['fp16_roundtrip_gbps'], '.2f')} GB/s)"]
-    lines += table_lines(rows)
-    lines.append("x fp16 trip: (encode + decode time) / float16 round trip time; ratio: input bytes / payload "
-                 "bytes; rel. error: ||decode - x|| / ||x||; powersgd on a 4096 x (numel/4096) matrix")
-    return "\n".join(lines)
+             f"{1000 * result['fp16_roundtrip_seconds']:.2f} ms ({f(result['fp16_roundtrip_gbps'], '.2f')} GB/s)")
+    return text_table(title, rows, "x fp16 trip: (encode + decode time) / float16 round trip time; ratio: input bytes "
+                      "/ payload bytes; rel. error: ||decode - x|| / ||x||; powersgd on a 4096 x (numel/4096) matrix")

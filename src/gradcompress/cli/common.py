@@ -78,3 +78,13 @@ def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return lines
+
+
+def text_table(title: str, rows: list[tuple[str, ...]], legend: str) -> str:
+    """A title line, :func:`table_lines` of ``rows`` (header first), and a legend line."""
+    return "\n".join([title, *table_lines(rows), legend])
+
+
+def fmt(value, spec: str) -> str:
+    """``format(value, spec)``, or "n/a" for None."""
+    return "n/a" if value is None else format(value, spec)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import table_lines
+from .common import fmt as f
+from .common import text_table
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -144,22 +145,17 @@ def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeat
 
 
 def format_in_step(result: dict) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
     head = ("scheme", "step ms", "x dense", "held x grad", "peak x grad", "sent/step")
     rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["held_x"], ".2f"),
                       f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB") for r in result["schemes"]]
-    lines = [f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
+    title = (f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
              f"{result['size']} x {result['size']} ({result['grad_bytes'] / 1e6:.1f} MB), median of "
              f"{result['repeats']} steps; dense all_reduce of the same gradients: "
-             f"{1000 * result['dense_seconds']:.1f} ms"]
-    lines += table_lines(rows)
-    lines.append("step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce time; held: memory "
-                 "the compressor keeps between steady steps (state and reused buffers); peak: highest extra memory "
-                 "during a steady step (the 4th) above that; both in multiples of the gradients' bytes (resident "
-                 "set, Linux)")
-    return "\n".join(lines)
+             f"{1000 * result['dense_seconds']:.1f} ms")
+    return text_table(title, rows, "step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce "
+                      "time; held: memory the compressor keeps between steady steps (state and reused buffers); peak: "
+                      "highest extra memory during a steady step (the 4th) above that; both in multiples of the "
+                      "gradients' bytes (resident set, Linux)")
 
 
 # --------------------------------------------------------------------------- against PyTorch's own DDP hooks
@@ -228,10 +224,9 @@ def run_ddp_versus_torch(workers: int, size: int, layers: int, batch: int, repea
 def format_ddp_versus_torch(result: dict) -> str:
     rows = [("variant", "step ms", "x DDP")] + [(v["variant"], f"{1000 * v['step_seconds']:.1f}", f"{v['vs_ddp']:.2f}")
                                                 for v in result["variants"]]
-    lines = [f"{result['workers']} gloo workers on loopback, DDP (one bucket) over {result['layers']} bias-free "
+    title = (f"{result['workers']} gloo workers on loopback, DDP (one bucket) over {result['layers']} bias-free "
              f"{result['size']} x {result['size']} linear layers, batch {result['batch']}, median of "
-             f"{result['repeats']} steps (zero_grad + forward + backward), variants interleaved"]
-    lines += table_lines(rows)
-    lines.append("x DDP: step time / plain DDP's; ours with library defaults (error feedback off for fp16, on for "
-                 "powersgd and int8); torch's powerSGD_hook with start_powerSGD_iter=2, error feedback and warm start")
-    return "\n".join(lines)
+             f"{result['repeats']} steps (zero_grad + forward + backward), variants interleaved")
+    return text_table(title, rows, "x DDP: step time / plain DDP's; ours with library defaults (error feedback off "
+                      "for fp16, on for powersgd and int8); torch's powerSGD_hook with start_powerSGD_iter=2, error "
+                      "feedback and warm start")
