@@ -197,6 +197,57 @@ def test_deterministic_quantisers_same_codes(lib, spec, dtype):
     assert torch.allclose(codec.decode(pf).float(), decode_ref(codec, pr).float(), rtol=1e-5, atol=0)
 
 
+# --------------------------------------------------------------------------- fused error feedback
+FEEDBACK = ["int8", "int4", "int4:bucket=64", "int8:bucket=7", "sign", "sign:bucket=64", "int8:stochastic=true",
+            "qsgd", "terngrad"]
+
+
+def equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same values (NaN where NaN; -0.0 and +0.0 count as equal, as torch.equal does)."""
+    return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=7.5), torch.nan_to_num(b, nan=7.5)) and \
+        torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("spec", FEEDBACK)
+@pytest.mark.parametrize("alias", ["fresh", "x", "residual"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fused_error_feedback_is_the_reference(lib, spec, alias, with_residual):
+    """``encode_feedback``'s one pass == the reference: y = x + r materialised, encode, full decode, y - decode
+    (the same codes and scales, the same new residual bit for bit), wherever ``out`` points."""
+    codec = make(spec)
+    x = big_input(seed=1)
+    x[5000:5010] = float("nan")  # a non-finite bucket: NaN scale, NaN residual in both
+    x[9000] = float("inf")
+    r = big_input(seed=2, wide=False) * 0.1 if with_residual else None
+    ref_out = torch.empty(N)
+    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), None if r is None else r.clone(), seed=5,
+                                                  out=ref_out)
+    xs, rs = x.clone(), None if r is None else r.clone()
+    if alias == "residual" and rs is None:
+        pytest.skip("no residual to alias")
+    out = {"fresh": torch.empty(N), "x": xs, "residual": rs}[alias]
+    got = codec.encode_feedback(xs, rs, seed=5, out=out)
+    assert len(got.tensors) == len(ref.tensors)
+    for a, b in zip(got.tensors, ref.tensors):
+        assert a.dtype == b.dtype and equal_nan(a, b)
+    assert equal_nan(out, ref_out) and ref_out.isnan().any()
+
+
+@pytest.mark.parametrize("spec", FEEDBACK)
+def test_decode_into_and_accumulate_into(lib, spec):
+    codec = make(spec)
+    x = big_input(seed=3)
+    p = codec.encode(x, seed=1)
+    ref = codec.decode(p).float()
+    out = torch.full((N,), 3.0)
+    codec.decode_into(p, out)
+    assert torch.equal(out, ref)
+    acc = big_input(seed=4, wide=False)
+    want = acc + ref
+    codec.accumulate_into(p, acc)
+    assert torch.equal(acc, want)
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4", "sign", "int8:stochastic=true", "qsgd", "terngrad", "qsgd:levels=100"])
 def test_quantisers_nonfinite(lib, spec):
     codec = make(spec)

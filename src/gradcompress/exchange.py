@@ -45,16 +45,30 @@ def layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Siz
 
 
 def from_bytes(buf: torch.Tensor, spec: Sequence[tuple[torch.dtype, torch.Size]]) -> tuple[torch.Tensor, ...]:
-    """Inverse of :func:`to_bytes` for a known layout ``[(dtype, shape), ...]``."""
+    """Inverse of :func:`to_bytes` for a known layout ``[(dtype, shape), ...]``: views of ``buf`` where the
+    bytes are aligned for their dtype, copies where not (e.g. float32 scales after an odd number of code bytes)."""
     out, offset = [], 0
     for dtype, shape in spec:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        out.append(buf[offset : offset + nbytes].clone().view(dtype).reshape(shape))
-        offset += nbytes
+        size = dtype.itemsize
+        part = buf[offset : offset + numel * size]
+        if (buf.storage_offset() + offset) % size:
+            part = part.clone()
+        out.append(part.view(dtype).reshape(shape))
+        offset += numel * size
     return tuple(out)
+
+
+def floats(payloads: Iterable[Payload]) -> torch.Tensor | None:
+    """The floating-point tensors of ``payloads`` (scales, norms, kept values) as one flat tensor, or None.
+
+    For codecs that preserve non-finite values (``Codec.preserves_nonfinite``) a payload decodes to
+    something non-finite exactly when one of these is: the finiteness of a step can be read here.
+    """
+    parts = [t.reshape(-1) for p in payloads for t in p.tensors if t.is_floating_point()]
+    return torch.cat(parts) if parts else None
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -259,8 +273,10 @@ def _joined(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts])
 
 
-def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor]) -> Job:
-    """All-gather every rank's payloads (sizes first if they vary), decode each, average into ``outs``."""
+def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
+                received: Callable[[list[Payload]], None] | None = None) -> Job:
+    """All-gather every rank's payloads (sizes first if they vary), decode each, average into ``outs``.
+    ``received(payloads)`` is called with every rank's payloads (the same on every rank)."""
     local = to_bytes([t for p in payloads for t in p.tensors], outs[0].device if outs else None)
     if codec.fixed_layout:
         layouts = [[layout(p.tensors) for p in payloads]] * comm.world
@@ -282,13 +298,17 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
         yield [work]
     for out in outs:
         out.zero_()
+    seen = []
     for buf, rank_layout in zip(gathered, layouts):
         offset = 0
         for p, lay, out in zip(payloads, rank_layout, outs):
-            size = sum(s.numel() * torch.empty(0, dtype=d).element_size() for d, s in lay)
-            tensors = from_bytes(buf[offset : offset + size], lay)
+            size = sum(s.numel() * d.itemsize for d, s in lay)
+            theirs = p.replace(from_bytes(buf[offset : offset + size], lay))
             offset += size
-            codec.accumulate_into(p.replace(tensors), out)
+            codec.accumulate_into(theirs, out)
+            seen.append(theirs)
+    if received is not None:
+        received(seen)
     for out in outs:
         out.div_(comm.world)
 
@@ -304,16 +324,20 @@ def chunk_numel(numel: int, world: int, block: int = CHUNK_BLOCK) -> int:
 
 
 def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: list[torch.Tensor],
-                  reencode: Callable[[int, torch.Tensor], Payload]) -> Job:
+                  reencode: Callable[[int, torch.Tensor], Payload],
+                  received: Callable[[list[Payload]], None] | None = None) -> Job:
     """Two-step reduce of chunked payloads (qgZ / 1-bit Adam's compressed all-reduce).
 
     ``chunks[k][j]`` is this rank's payload for chunk j of tensor k (every chunk of a
     tensor has the same numel). Round 1: all-to-all, so rank j holds chunk j of every
-    rank; it decodes, averages and re-encodes them with ``reencode(k, mean_chunk)``.
-    Round 2: all-gather of the re-encoded chunks; every rank decodes all of them into
-    ``outs[k]`` (trimmed to its numel). Each rank sends about twice its compressed size.
-    Received chunks are decoded with this rank's payload as the template (layout, seed):
-    the codec must have a fixed layout and a decode that does not depend on the seed.
+    rank; it decodes and sums them into one buffer (``decode_into``, then
+    ``accumulate_into``: no per-rank temporaries), averages and re-encodes with
+    ``reencode(k, mean_chunk)``. Round 2: all-gather of the re-encoded chunks; every rank
+    decodes all of them straight into ``outs[k]`` (the last chunk trimmed to its numel).
+    ``received(payloads)`` is called with the gathered payloads (the same on every rank).
+    Each rank sends about twice its compressed size. Received chunks are decoded with this
+    rank's payload as the template (layout, seed): the codec must have a fixed layout and a
+    decode that does not depend on the seed.
     """
     if not codec.fixed_layout:
         raise ValueError(f"two-step reduce needs a fixed-layout codec, {codec.name} is not")
@@ -321,39 +345,44 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
         return
     world = comm.world
     send = to_bytes([t for j in range(world) for per_tensor in chunks for t in per_tensor[j].tensors])
-    received, work = comm.all_to_all(send)
+    received_bytes, work = comm.all_to_all(send)
     yield [work]
-    block_bytes = received.numel() // world
+    block_bytes = received_bytes.numel() // world
     lays = [layout(per_tensor[comm.rank].tensors) for per_tensor in chunks]
     sizes = [nbytes(per_tensor[comm.rank].tensors) for per_tensor in chunks]
     offsets = [0, *itertools.accumulate(sizes)]
     mine = []
     for k, per_tensor in enumerate(chunks):
         template = per_tensor[comm.rank]
-        total = None
+        total = torch.empty(template.numel, dtype=torch.float32, device=received_bytes.device)
         for i in range(world):
             start_at = i * block_bytes + offsets[k]
-            tensors = from_bytes(received[start_at : start_at + sizes[k]], lays[k])
-            part = codec.decode(template.replace(tensors)).float()
-            total = part if total is None else total.add_(part)
+            theirs = template.replace(from_bytes(received_bytes[start_at : start_at + sizes[k]], lays[k]))
+            (codec.accumulate_into if i else codec.decode_into)(theirs, total)
         mine.append(reencode(k, total.div_(world)))
     gathered, work = comm.all_gather(to_bytes([t for p in mine for t in p.tensors]))
     yield [work]
     lays2 = [layout(p.tensors) for p in mine]
     sizes2 = [nbytes(p.tensors) for p in mine]
     offsets2 = [0, *itertools.accumulate(sizes2)]
+    seen = []
     for k, out in enumerate(outs):
         flat = out.reshape(-1)
         per = mine[k].numel
         for i, buf in enumerate(gathered):
             start_at = offsets2[k]
-            tensors = from_bytes(buf[start_at : start_at + sizes2[k]], lays2[k])
+            theirs = mine[k].replace(from_bytes(buf[start_at : start_at + sizes2[k]], lays2[k]))
+            seen.append(theirs)
             lo = i * per
             hi = min(flat.numel(), lo + per)
-            if hi > lo:
-                flat[lo:hi].copy_(codec.decode(mine[k].replace(tensors))[: hi - lo])
+            if hi - lo == per:
+                codec.decode_into(theirs, flat[lo:hi].view(mine[k].shape))
+            elif hi > lo:
+                flat[lo:hi].copy_(codec.decode(theirs).reshape(-1)[: hi - lo])
         if not out.is_contiguous() or flat.data_ptr() != out.data_ptr():
             out.copy_(flat.view(out.shape))
+    if received is not None:
+        received(seen)
 
 
 def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload], out: torch.Tensor) -> Job:

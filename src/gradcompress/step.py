@@ -363,13 +363,17 @@ class Step:
             for k, g in dense:
                 self._with_momentum(k, g)
         # summed codecs read their inputs only before the collective, so they may alias the gradients, which
-        # then receive the result directly (no temporary output, no final copy)
+        # then receive the result directly (no temporary output, no final copy); so may inputs whose error
+        # feedback is fused into the encode (read once, before the first collective)
         summed = aggregation is Aggregation.SUM
-        inputs = [self._input(k, g, private=not summed) for k, g in comp]
+        fused = self._fuses_feedback(aggregation)
+        inputs = [self._input(k, g, private=not (summed or fused), fused=fused) for k, g in comp]
         device = grads[0].device if grads else None
-        # codecs whose sum carries a NaN/Inf through (the casts) are checked on the summed buffer instead: one pass
-        # over half the bytes, and no flag round when nothing travels dense
-        ride = summed and codec.preserves_nonfinite
+        # codecs that carry a NaN/Inf through to what every rank receives are checked there instead of on the
+        # inputs: the casts on the summed buffer, the quantisers and sparsifiers on the received payloads'
+        # scales or values (a few floats per bucket); no pass over the inputs, no flag round when nothing
+        # travels dense
+        ride = codec.preserves_nonfinite and aggregation is not Aggregation.LOWRANK
         ok = ([] if ride else [all_finite(x) for x in inputs]) + [all_finite(g) for _, g in dense]
         flag = torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
         dtype = grads[0].dtype if grads else torch.float32
@@ -404,9 +408,18 @@ class Step:
             if out is not g:
                 g.copy_(out.view(g.shape))
 
-    def _input(self, key, grad: torch.Tensor, private: bool = True) -> torch.Tensor:
+    def _fuses_feedback(self, aggregation: Aggregation) -> bool:
+        """Whether this step's worker error feedback runs inside the encode (``Codec.encode_feedback``): the
+        residual is added and the new one written in the codec's pass, x + residual is never stored. Not with
+        momentum masking (it needs the delivered values) nor a residual stored in another dtype."""
+        return (self._ef is not None and aggregation in (Aggregation.REQUANTIZE, Aggregation.GATHER)
+                and self.compressor.residual_dtype == torch.float32
+                and not (self._momentum is not None and self._momentum.masking))
+
+    def _input(self, key, grad: torch.Tensor, private: bool = True, fused: bool = False) -> torch.Tensor:
         """What gets compressed: clip -> momentum correction -> + residual, float32 and contiguous
-        (``private``: never the gradient's own storage)."""
+        (``private``: never the gradient's own storage; ``fused``: the residual is left for the encode,
+        :meth:`_encode_fed`, to add)."""
         x = grad.detach().float().contiguous()
         if self._clip is not None:
             x, _ = self._clip.update(x)
@@ -415,7 +428,7 @@ class Step:
             self.put("momentum", key, state)
         if self.monitoring:
             self._refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
-        if self._ef is not None:
+        if self._ef is not None and not fused:
             residual = self.old("residual", key)
             if residual is not None:
                 # x + residual goes into a buffer of ours: the residual the last commit replaced (float32
@@ -470,26 +483,39 @@ class Step:
         elif aggregation is Aggregation.GATHER:
             payloads = []
             for k, x in zip(keys, inputs):
-                p = codec.encode(x, seed=self.seed(k, codec))
-                self._delivered(k, x, lambda p=p: codec.decode(p).float())
+                if self._fuses_feedback(aggregation):
+                    p = self._encode_fed(codec, k, x, [self.seed(k, codec)], 1)[0]
+                else:
+                    p = codec.encode(x, seed=self.seed(k, codec))
+                    self._delivered(k, x, lambda p=p: codec.decode(p).float())
                 payloads.append(p)
-            yield from exchange.gather_mean(comm, codec, payloads, outs)
+            yield from exchange.gather_mean(comm, codec, payloads, outs, self._check_payloads if check_sum else None)
         elif aggregation is Aggregation.REQUANTIZE and world == 1:  # nothing to reduce: no second quantisation
             for k, x, out in zip(keys, inputs, outs):
-                delivered = codec.decode(codec.encode(x, seed=self.seed(k, codec))).float()
-                self._delivered(k, x, lambda d=delivered: d)
-                out.copy_(delivered)
+                if self._fuses_feedback(aggregation):
+                    p = self._encode_fed(codec, k, x, [self.seed(k, codec)], 1)[0]
+                else:
+                    p = codec.encode(x, seed=self.seed(k, codec))
+                    self._delivered(k, x, lambda p=p: codec.decode(p).float())
+                if check_sum:
+                    self._check_payloads([p])
+                codec.decode_into(p, out)
         elif aggregation is Aggregation.REQUANTIZE:
             chunked = []
             for k, x in zip(keys, inputs):
-                payloads = self.encode_chunks(codec, k, x)
-                self._delivered(k, x, lambda ps=payloads, n=x.numel(), d=x.device: decode_chunks(codec, ps, n, d))
+                if self._fuses_feedback(aggregation):
+                    seed = self.seed(k, codec)
+                    payloads = self._encode_fed(codec, k, x, [mix_seed(seed, j) for j in range(world)], world)
+                else:
+                    payloads = self.encode_chunks(codec, k, x)
+                    self._delivered(k, x, lambda ps=payloads, n=x.numel(), d=x.device: decode_chunks(codec, ps, n, d))
                 chunked.append(payloads)
 
             def reencode(i: int, mean_chunk: torch.Tensor):
                 return self.encode_owned_chunk(codec, keys[i], mean_chunk)
 
-            yield from exchange.two_step_mean(comm, codec, chunked, outs, reencode)
+            yield from exchange.two_step_mean(comm, codec, chunked, outs, reencode,
+                                              self._check_payloads if check_sum else None)
         else:
             yield from self._lowrank_job(codec, keys, inputs, outs)
 
@@ -514,6 +540,49 @@ class Step:
         parts = exchange.split_chunks(x.reshape(-1), self.comm.world, exchange.CHUNK_BLOCK)
         seed = self.seed(key, codec)
         return [codec.encode(c, seed=mix_seed(seed, j)) for j, c in enumerate(parts)]
+
+    def _check_payloads(self, payloads: list) -> None:
+        """The step's finiteness, read from received payloads that every rank holds alike (see :func:`exchange.floats`)."""
+        values = exchange.floats(payloads)
+        if values is not None:
+            self.check(all_finite(values))
+
+    def _encode_fed(self, codec: Codec, key, x: torch.Tensor, seeds: list[int], parts: int) -> list:
+        """Worker error feedback fused into the encode: ``x`` + the committed residual cut into ``parts`` chunks
+        (:func:`exchange.split_chunks`'s, one seed each), each encoded by ``Codec.encode_feedback``, whose new
+        residual goes straight into the residual buffer of this step (the one the last commit replaced).
+
+        The same payloads and residual as encoding x + residual and subtracting the decode (the reference),
+        without materialising x + residual or a full decode."""
+        residual = self.old("residual", key)
+        if residual is not None and residual.shape != x.shape:
+            residual = None
+        out = self._spare("residual", key, x)
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        xs, outs = x.reshape(-1), out.view(-1)
+        rs = None if residual is None else residual.reshape(-1)
+        n = xs.numel()
+        per = exchange.chunk_numel(n, parts) if parts > 1 else n
+        payloads = []
+        for j, seed in enumerate(seeds):
+            lo, hi = min(n, j * per), min(n, (j + 1) * per)
+            if hi - lo == per:
+                payloads.append(codec.encode_feedback(xs[lo:hi], None if rs is None else rs[lo:hi], seed=seed,
+                                                      out=outs[lo:hi]))
+                continue
+            # the last chunk (and any beyond n), zero-padded to the chunk size, as split_chunks pads
+            xp = torch.zeros(per, dtype=xs.dtype, device=xs.device)
+            xp[: hi - lo] = xs[lo:hi]
+            rp = None
+            if rs is not None:
+                rp = torch.zeros(per, dtype=rs.dtype, device=rs.device)
+                rp[: hi - lo] = rs[lo:hi]
+            tmp = torch.empty(per, dtype=torch.float32, device=xs.device)
+            payloads.append(codec.encode_feedback(xp, rp, seed=seed, out=tmp))
+            outs[lo:hi] = tmp[: hi - lo]
+        self.put("residual", key, out)
+        return payloads
 
     def encode_owned_chunk(self, codec: Codec, key, mean_chunk: torch.Tensor):
         """The chunk owner's re-encode in the two-step reduce, with server error feedback when on."""

@@ -169,6 +169,19 @@ class Codec:
         """``out.copy_(decode(payload))`` (same values; codecs may skip the temporary)."""
         out.copy_(self.decode(payload).reshape(out.shape))
 
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int | None = None,
+                        out: torch.Tensor) -> Payload:
+        """Error feedback and encode in one call: the payload of ``y = x + residual`` (``residual`` None: of x),
+        and ``out`` (float32, x's shape; may be x or residual itself) receives ``y - decode(payload)``.
+
+        This is the reference (y materialised, a full decode, a subtraction); codecs with fused kernels
+        compute the same values in one pass over x and residual.
+        """
+        y = x if residual is None else torch.add(x, residual.to(x.dtype))
+        payload = self.encode(y, seed=seed)
+        torch.sub(y, self.decode(payload).reshape(y.shape).to(y.dtype), out=out)
+        return payload
+
     def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
         """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n))."""
         out.add_(self.decode(payload).reshape(out.shape))

@@ -57,7 +57,7 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 3  # gc_version() of the source this module drives
+_VERSION = 4  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
@@ -219,8 +219,9 @@ def _declare(lib) -> None:
                                             ctypes.c_float, ctypes.c_void_p)
     sigs = {
         "gc_version": (c_int, []),
-        "gc_quantize": (c_int, [c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_int]),
-        "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_p, c_int]),
+        "gc_quantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_p, c_int,
+                                c_int, c_int, c_f, c_int]),
+        "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_int, c_p, c_int]),
         "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_sample_keys": (None, [c_p, c_i64, c_i64, c_u64, c_p, c_int]),
@@ -318,11 +319,18 @@ _SALT_NOISE = 1
 
 
 def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, seed: int | None = None,
-             stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             stochastic: bool = False, *, residual: torch.Tensor | None = None,
+             residual_out: torch.Tensor | None = None, decoding: tuple = (False, 1, 0, 1.0)
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scale + codes + packing of a float32 1-D tensor: (codes, one float32 scale per bucket).
 
     codes: int8 (``UNIFORM`` with 8 bits), else uint8 packed to ceil(n * bits / 8) bytes.
     Needs ``bits == 8`` or ``bucket % 8 == 0``.
+
+    Fused error feedback: with ``residual`` (float32, x's size) the codes are those of
+    ``x + residual``; ``residual_out`` (float32, x's size; may be x or residual itself)
+    receives ``(x + residual) - decode(codes)`` in the same pass, the decode being
+    :func:`dequantize` with ``decoding = (signed, mul, offset, div)``.
     """
     lib = library()
     n = x.numel()
@@ -331,20 +339,31 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     codes = torch.empty((n * bits + 7) // 8, dtype=torch.int8 if signed else torch.uint8)
     scale = torch.empty(nb, dtype=torch.float32)
     key = stream_key(seed or 0, _SALT_NOISE)
-    rc = lib.gc_quantize(_ptr(x), n, bucket, kind, bits, qmax, int(stochastic), key, _ptr(codes), _ptr(scale),
-                         _threads(n))
+    for t in (residual, residual_out):
+        if t is not None and (t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous()):
+            raise ValueError("fast.quantize: the residuals must be contiguous float32 of x's size")
+    is_signed, mul, offset, div = decoding
+    rc = lib.gc_quantize(_ptr(x), None if residual is None else _ptr(residual), n, bucket, kind, bits, qmax,
+                         int(stochastic), key, _ptr(codes), _ptr(scale),
+                         None if residual_out is None else _ptr(residual_out), int(is_signed), mul, offset,
+                         float(div), _threads(n))
     if rc:
         raise ValueError(f"fast.quantize: unsupported bits={bits}, bucket={bucket}")
     return codes, scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bits: int, *, signed: bool = False,
-               mul: int = 1, offset: int = 0, div: float = 1.0) -> torch.Tensor:
-    """float32 ``(code * mul - offset) * (scale[bucket] / div)`` for the n codes (packed when bits < 8)."""
+               mul: int = 1, offset: int = 0, div: float = 1.0, out: torch.Tensor | None = None,
+               accumulate: bool = False) -> torch.Tensor:
+    """float32 ``(code * mul - offset) * (scale[bucket] / div)`` for the n codes (packed when bits < 8),
+    written into ``out`` (contiguous float32 of n; ``accumulate``: added to it) when given."""
     lib = library()
-    out = torch.empty(n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError("fast.dequantize: out must be contiguous float32 of n elements")
     rc = lib.gc_dequantize(_ptr(codes), _ptr(scale), n, bucket, bits, int(signed), mul, offset, float(div),
-                           _ptr(out), _threads(n))
+                           int(accumulate), _ptr(out), _threads(n))
     if rc:
         raise ValueError(f"fast.dequantize: unsupported bits={bits}, bucket={bucket}")
     return out

@@ -25,7 +25,7 @@ import torch
 from ..packing import pack, unpack
 from ..spec import Range, option, register
 from . import fast
-from .base import Aggregation, Codec, generator
+from .base import Aggregation, Codec, Payload, fresh_seed, generator
 
 _FAST_DTYPES = fast.FAST_DTYPES + (torch.float64,)  # every quantiser reads flat.float()
 
@@ -95,7 +95,78 @@ def packed_nbytes(numel: int, bits: int, bucket: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Uniform(Codec):
+class Bucketed(Codec):
+    """The fused CPU paths every bucketed quantiser shares (one float32 scale per ``bucket``, one code per element).
+
+    A subclass says which kernel encodes it (:meth:`kernel`) and how its codes decode
+    (:meth:`decoding`); this class then provides the fused encode, the decode into a caller's
+    buffer (``decode_into``, ``accumulate_into``: the chunk owner sums W payloads without
+    temporaries) and the encode with fused error feedback (``encode_feedback``: one pass
+    reads x and the residual and writes the codes, the scales and the new residual).
+    """
+
+    code_dtype = torch.uint8
+
+    def kernel(self) -> tuple[int, int, int, bool] | None:
+        """(kind, bits, qmax, stochastic) of :func:`fast.quantize`, or None when no kernel applies."""
+        return None
+
+    def decoding(self) -> tuple[bool, int, int, float]:
+        """(signed, mul, offset, div): a code c decodes to ``float(c * mul - offset) * (scale / div)``."""
+        raise NotImplementedError
+
+    def _fast_encode(self, flat: torch.Tensor, seed, residual=None, residual_out=None):
+        kind, bits, qmax, stochastic = self.kernel()
+        return fast.quantize(fast.as_float32(flat), self.bucket, kind, bits, qmax, seed, stochastic,
+                             residual=residual, residual_out=residual_out, decoding=self.decoding())
+
+    def _fast_decodes(self, tensors, numel: int) -> bool:
+        kernel = self.kernel()
+        if kernel is None or len(tensors) != 2:
+            return False
+        codes, scale = tensors
+        return fast.dequantize_ok(codes, scale, numel, self.bucket, kernel[1], self.code_dtype)
+
+    def _fast_decode(self, tensors, numel: int, out: torch.Tensor | None = None, accumulate: bool = False):
+        codes, scale = tensors
+        signed, mul, offset, div = self.decoding()
+        return fast.dequantize(codes, scale, numel, self.bucket, self.kernel()[1], signed=signed, mul=mul,
+                               offset=offset, div=div, out=out, accumulate=accumulate)
+
+    def _into(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> bool:
+        n = payload.numel
+        if (n == 0 or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n
+                or not self._fast_decodes(payload.tensors, n)):
+            return False
+        self._fast_decode(payload.tensors, n, out.view(-1), accumulate)
+        return True
+
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> None:
+        if not self._into(payload, out, False):
+            super().decode_into(payload, out)
+
+    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
+        if not self._into(payload, out, True):
+            super().accumulate_into(payload, out)
+
+    def encode_feedback(self, x, residual, *, seed=None, out):
+        kernel = self.kernel()
+        flat = x.reshape(-1)
+        ok = (kernel is not None and x.dtype == torch.float32 and flat.is_contiguous() and out.is_contiguous()
+              and out.dtype == torch.float32 and out.numel() == flat.numel()
+              and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
+                                        and residual.numel() == flat.numel()))
+              and (kernel[1] == 8 or self.bucket % 8 == 0) and fast.applies(flat))
+        if not ok:
+            return super().encode_feedback(x, residual, seed=seed, out=out)
+        if seed is None and self.stochastic:
+            seed = fresh_seed()
+        tensors = self._fast_encode(flat, seed, None if residual is None else residual.reshape(-1), out.view(-1))
+        return Payload(tuple(tensors), x.shape, x.dtype, seed, x.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uniform(Bucketed):
     """Symmetric uniform quantiser with an abs-max scale per bucket."""
 
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
@@ -114,10 +185,19 @@ class _Uniform(Codec):
     def qmax(self) -> int:
         return 2 ** (self.bits - 1) - 1
 
+    @property
+    def code_dtype(self):
+        return torch.int8 if self.bits == 8 else torch.uint8
+
+    def kernel(self):
+        return (fast.UNIFORM, self.bits, self.qmax, self.stochastic) if self.bits == 8 or self.bucket % 8 == 0 else None
+
+    def decoding(self):
+        return (True, 1, 0, 1.0) if self.bits == 8 else (False, 1, self.qmax + 1, 1.0)
+
     def _encode(self, flat, seed):
         if _fast_ok(flat, self.bits, self.bucket):
-            return fast.quantize(fast.as_float32(flat), self.bucket, fast.UNIFORM, self.bits, self.qmax, seed,
-                                 self.stochastic)
+            return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1) / self.qmax
         y = safe_divide(xb, scale)
@@ -131,11 +211,9 @@ class _Uniform(Codec):
         return pack((codes + self.qmax + 1).to(torch.uint8), self.bits), scale
 
     def _decode(self, tensors, numel, seed, device):
+        if self._fast_decodes(tensors, numel):
+            return self._fast_decode(tensors, numel)
         codes, scale = tensors
-        if fast.dequantize_ok(codes, scale, numel, self.bucket, self.bits,
-                              torch.int8 if self.bits == 8 else torch.uint8):
-            return fast.dequantize(codes, scale, numel, self.bucket, self.bits, signed=self.bits == 8,
-                                   offset=0 if self.bits == 8 else self.qmax + 1)
         if self.bits == 8:
             y = codes.float()
         else:
@@ -168,7 +246,7 @@ class Int4(_Uniform):
 
 @register("qsgd")
 @dataclasses.dataclass(frozen=True)
-class QSGD(Codec):
+class QSGD(Bucketed):
     """QSGD (Alistarh et al., 2017): per bucket the L2 norm, and per element sign and level.
 
     What is sent: one float32 norm per bucket and, per element, ``sign * level`` with
@@ -191,9 +269,16 @@ class QSGD(Codec):
     def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
         return packed_nbytes(numel, self.bits, self.bucket)
 
+    def kernel(self):
+        return (fast.QSGD, self.bits, self.levels, True) if self.bits <= 8 and (
+            self.bits == 8 or self.bucket % 8 == 0) else None
+
+    def decoding(self):
+        return (False, 1, self.levels, float(self.levels))
+
     def _encode(self, flat, seed):
         if self.bits <= 8 and _fast_ok(flat, self.bits, self.bucket):
-            return fast.quantize(fast.as_float32(flat), self.bucket, fast.QSGD, self.bits, self.levels, seed)
+            return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         norm = bucket_norm(xb)
         y = safe_divide(xb.abs(), norm) * self.levels
@@ -205,9 +290,9 @@ class QSGD(Codec):
         return (codes - self.levels).to(torch.int16), norm
 
     def _decode(self, tensors, numel, seed, device):
+        if self._fast_decodes(tensors, numel):
+            return self._fast_decode(tensors, numel)
         codes, norm = tensors
-        if self.bits <= 8 and fast.dequantize_ok(codes, norm, numel, self.bucket, self.bits, torch.uint8):
-            return fast.dequantize(codes, norm, numel, self.bucket, self.bits, offset=self.levels, div=self.levels)
         if self.bits <= 8:
             y = unpack(codes, self.bits, numel).float() - self.levels
         else:
@@ -217,7 +302,7 @@ class QSGD(Codec):
 
 @register("terngrad")
 @dataclasses.dataclass(frozen=True)
-class TernGrad(Codec):
+class TernGrad(Bucketed):
     """TernGrad (Wen et al., 2017): per bucket a float32 scale max|x|, per element {-1, 0, +1} in 2 bits.
 
     Element i is sent as sign(x_i) with probability |x_i| / scale, else 0.
@@ -233,9 +318,15 @@ class TernGrad(Codec):
     def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
         return packed_nbytes(numel, 2, self.bucket)
 
+    def kernel(self):
+        return (fast.TERNGRAD, 2, 0, True) if self.bucket % 8 == 0 else None
+
+    def decoding(self):
+        return (False, 1, 1, 1.0)
+
     def _encode(self, flat, seed):
         if _fast_ok(flat, 2, self.bucket):
-            return fast.quantize(fast.as_float32(flat), self.bucket, fast.TERNGRAD, 2, 0, seed)
+            return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1)
         p = safe_divide(xb.abs(), scale)
@@ -244,8 +335,8 @@ class TernGrad(Codec):
         return pack(from_buckets(ternary, flat.numel()).to(torch.uint8), 2), scale
 
     def _decode(self, tensors, numel, seed, device):
+        if self._fast_decodes(tensors, numel):
+            return self._fast_decode(tensors, numel)
         codes, scale = tensors
-        if fast.dequantize_ok(codes, scale, numel, self.bucket, 2, torch.uint8):
-            return fast.dequantize(codes, scale, numel, self.bucket, 2, offset=1)
         y = unpack(codes, 2, numel).float() - 1
         return rescale(y, scale, self.bucket, numel)

@@ -18,22 +18,28 @@ import torch
 from ..packing import pack, unpack
 from ..spec import Range, option, register
 from . import fast
-from .base import Aggregation, Codec
-from .quantize import packed_nbytes, rescale, to_buckets
+from .base import Aggregation
+from .quantize import Bucketed, packed_nbytes, rescale, to_buckets
 
 
 @register("sign")
 @dataclasses.dataclass(frozen=True)
-class Sign(Codec):
+class Sign(Bucketed):
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
     aggregation = Aggregation.REQUANTIZE
 
     def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
         return packed_nbytes(numel, 1, self.bucket)
 
+    def kernel(self):
+        return (fast.SIGN, 1, 0, False) if self.bucket % 8 == 0 else None
+
+    def decoding(self):
+        return (False, 2, 1, 1.0)
+
     def _encode(self, flat, seed):
         if self.bucket % 8 == 0 and fast.applies(flat):  # float32/16/bf16: flat >= 0 is the same after .float()
-            return fast.quantize(fast.as_float32(flat), self.bucket, fast.SIGN, 1)
+            return self._fast_encode(flat, seed)
         n = flat.numel()
         xb = to_buckets(flat, self.bucket)
         counts = torch.full((xb.shape[0],), float(self.bucket), device=xb.device)
@@ -43,8 +49,8 @@ class Sign(Codec):
         return pack(bits.to(torch.uint8), 1), scale
 
     def _decode(self, tensors, numel, seed, device):
+        if self._fast_decodes(tensors, numel):
+            return self._fast_decode(tensors, numel)
         bits, scale = tensors
-        if fast.dequantize_ok(bits, scale, numel, self.bucket, 1, torch.uint8):
-            return fast.dequantize(bits, scale, numel, self.bucket, 1, mul=2, offset=1)
         y = unpack(bits, 1, numel).float() * 2 - 1
         return rescale(y, scale, self.bucket, numel)

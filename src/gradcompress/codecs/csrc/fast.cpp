@@ -270,45 +270,81 @@ void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s,
   }
 }
 
+// How codes decode: float(code * mul - offset) * (scale / div); int8 codes (is_signed) are two's complement.
+struct Decode {
+  int is_signed;
+  int mul;
+  int offset;
+  float div;
+};
+
+// Codes and scales of x + r (r may be null: x alone). With rout (error feedback fused into the encode):
+// rout = (x + r) - decode(codes), element by element, in the same pass; x + r is never materialised
+// beyond one bucket. rout may alias x or r (each bucket is read whole before any of it is written).
 template <int BITS>
-void quantize_impl(const float* x, int64_t n, int64_t bucket, const QParams& p, uint8_t* codes, float* scale,
-                   int nthreads) {
+void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
+                   uint8_t* codes, float* scale, float* rout, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
+    std::vector<float> sum(r ? bucket : 0);
+    const int mul = d.mul, offset = d.offset;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * bucket, len = std::min(bucket, n - start);
-      const float s = bucket_scale(x + start, len, p);
+      const float* y = x + start;
+      if (r) {
+        float* __restrict t = sum.data();
+        const float* __restrict xs = x + start;
+        const float* __restrict rs = r + start;
+        for (int64_t j = 0; j < len; ++j) t[j] = xs[j] + rs[j];
+        y = t;
+      }
+      const float s = bucket_scale(y, len, p);
       scale[b] = s;
+      const float sd = s / d.div;
       for (int64_t o = 0; o < len; o += BLOCK) {
         const int64_t l = std::min(BLOCK, len - o);
-        block_codes(x + start + o, l, uint64_t(start + o), s, p, c);
+        block_codes(y + o, l, uint64_t(start + o), s, p, c);
         pack_block<BITS>(c, l, codes + (start + o) * BITS / 8);  // start + o is a multiple of 8 when BITS < 8
+        if (!rout) continue;
+        float* ro = rout + start + o;
+        const float* yo = y + o;
+        if (BITS == 8 && d.is_signed) {
+          for (int64_t j = 0; j < l; ++j) ro[j] = yo[j] - float(int8_t(c[j])) * sd;
+        } else {
+          for (int64_t j = 0; j < l; ++j) ro[j] = yo[j] - float(int(c[j]) * mul - offset) * sd;
+        }
       }
     }
   });
 }
 
-// y = float(code * mul - offset) * (scale[b] / div); int8 codes (BITS 8, is_signed) are two's complement.
+// y = float(code * mul - offset) * (scale[b] / div) (accumulate: y += that); int8 codes (BITS 8, is_signed) are
+// two's complement.
 template <int BITS>
-void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_t bucket, int is_signed, int mul,
-                     int offset, float div, float* out, int nthreads) {
+void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_t bucket, const Decode& d,
+                     int accumulate, float* out, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
+  const int mul = d.mul, offset = d.offset;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
+    alignas(64) float v[BLOCK];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * bucket, len = std::min(bucket, n - start);
-      const float s = scale[b] / div;
+      const float s = scale[b] / d.div;
       for (int64_t o = 0; o < len; o += BLOCK) {
         const int64_t l = std::min(BLOCK, len - o);
         float* y = out + start + o;
-        if (BITS == 8 && is_signed) {
+        float* dst = accumulate ? v : y;
+        if (BITS == 8 && d.is_signed) {
           const int8_t* ci = reinterpret_cast<const int8_t*>(codes) + start + o;
-          for (int64_t j = 0; j < l; ++j) y[j] = float(ci[j]) * s;
-          continue;
+          for (int64_t j = 0; j < l; ++j) dst[j] = float(ci[j]) * s;
+        } else {
+          unpack_block<BITS>(codes + (start + o) * BITS / 8, l, c);
+          for (int64_t j = 0; j < l; ++j) dst[j] = float(int(c[j]) * mul - offset) * s;
         }
-        unpack_block<BITS>(codes + (start + o) * BITS / 8, l, c);
-        for (int64_t j = 0; j < l; ++j) y[j] = float(int(c[j]) * mul - offset) * s;
+        if (accumulate)
+          for (int64_t j = 0; j < l; ++j) y[j] += v[j];
       }
     }
   });
@@ -384,41 +420,45 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 3; }
+GC_API int gc_version() { return 4; }
+
+#define GC_BITS_SWITCH(CALL)           \
+  switch (bits) {                      \
+    case 1: CALL(1); break;            \
+    case 2: CALL(2); break;            \
+    case 3: CALL(3); break;            \
+    case 4: CALL(4); break;            \
+    case 5: CALL(5); break;            \
+    case 6: CALL(6); break;            \
+    case 7: CALL(7); break;            \
+    default: CALL(8); break;           \
+  }
 
 // codes: int8 (bits 8, UNIFORM), uint8 otherwise, packed to ceil(n * bits / 8) bytes (bits < 8 needs bucket % 8 == 0).
-GC_API int gc_quantize(const float* x, int64_t n, int64_t bucket, int kind, int bits, int qmax, int stochastic,
-                       uint64_t key, void* codes, float* scale, int nthreads) {
+// Encodes x + r (r may be null); rout (may be null) receives (x + r) - decode(codes), decoded as gc_dequantize does
+// with (is_signed, mul, offset, div).
+GC_API int gc_quantize(const float* x, const float* r, int64_t n, int64_t bucket, int kind, int bits, int qmax,
+                       int stochastic, uint64_t key, void* codes, float* scale, float* rout, int is_signed, int mul,
+                       int offset, float div, int nthreads) {
   if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
   const QParams p{kind, bits, qmax, stochastic, key};
+  const Decode d{is_signed, mul, offset, div};
   uint8_t* c = static_cast<uint8_t*>(codes);
-  switch (bits) {
-    case 1: quantize_impl<1>(x, n, bucket, p, c, scale, nthreads); break;
-    case 2: quantize_impl<2>(x, n, bucket, p, c, scale, nthreads); break;
-    case 3: quantize_impl<3>(x, n, bucket, p, c, scale, nthreads); break;
-    case 4: quantize_impl<4>(x, n, bucket, p, c, scale, nthreads); break;
-    case 5: quantize_impl<5>(x, n, bucket, p, c, scale, nthreads); break;
-    case 6: quantize_impl<6>(x, n, bucket, p, c, scale, nthreads); break;
-    case 7: quantize_impl<7>(x, n, bucket, p, c, scale, nthreads); break;
-    default: quantize_impl<8>(x, n, bucket, p, c, scale, nthreads); break;
-  }
+#define GC_Q(B) quantize_impl<B>(x, r, n, bucket, p, d, c, scale, rout, nthreads)
+  GC_BITS_SWITCH(GC_Q)
+#undef GC_Q
   return 0;
 }
 
+// out = decoded codes (accumulate: out += them).
 GC_API int gc_dequantize(const void* codes, const float* scale, int64_t n, int64_t bucket, int bits, int is_signed,
-                         int mul, int offset, float div, float* out, int nthreads) {
+                         int mul, int offset, float div, int accumulate, float* out, int nthreads) {
   if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
+  const Decode d{is_signed, mul, offset, div};
   const uint8_t* c = static_cast<const uint8_t*>(codes);
-  switch (bits) {
-    case 1: dequantize_impl<1>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 2: dequantize_impl<2>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 3: dequantize_impl<3>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 4: dequantize_impl<4>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 5: dequantize_impl<5>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 6: dequantize_impl<6>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    case 7: dequantize_impl<7>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-    default: dequantize_impl<8>(c, scale, n, bucket, is_signed, mul, offset, div, out, nthreads); break;
-  }
+#define GC_D(B) dequantize_impl<B>(c, scale, n, bucket, d, accumulate, out, nthreads)
+  GC_BITS_SWITCH(GC_D)
+#undef GC_D
   return 0;
 }
 
