@@ -233,6 +233,24 @@ def test_fused_error_feedback_is_the_reference(lib, spec, alias, with_residual):
     assert equal_nan(out, ref_out) and ref_out.isnan().any()
 
 
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.3,values=int8", "threshold:value=1.0",
+                                  "dgc:ratio=0.05,masking=false"])
+@pytest.mark.parametrize("alias", ["fresh", "x", "residual"])
+def test_sparse_error_feedback_is_the_reference(lib, spec, alias):
+    """Sparsifiers: y = x + r written once, only the kept entries changed afterwards == y - dense decode."""
+    codec = make(spec)
+    x, r = big_input(seed=5), big_input(seed=6, wide=False)
+    x[100:103] = float("nan")
+    ref_out = torch.empty(N)
+    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), r.clone(), seed=2, out=ref_out)
+    xs, rs = x.clone(), r.clone()
+    out = {"fresh": torch.empty(N), "x": xs, "residual": rs}[alias]
+    got = codec.encode_feedback(xs, rs, seed=2, out=out)
+    for a, b in zip(got.tensors, ref.tensors):
+        assert a.dtype == b.dtype and equal_nan(a, b)
+    assert equal_nan(out, ref_out)
+
+
 @pytest.mark.parametrize("spec", FEEDBACK)
 def test_decode_into_and_accumulate_into(lib, spec):
     codec = make(spec)

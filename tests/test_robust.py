@@ -144,7 +144,8 @@ def test_recycled_buffers_change_nothing(spec):
 
 
 FUSED_SCHEMES = ["int8", "int4", "sign", "sign:bucket=64", "topk:ratio=0.05", "topk:ratio=0.01,values=int8",
-                 "threshold:value=1.0", "int8|allgather", "int8:momentum=0.9"]
+                 "threshold:value=1.0", "int8|allgather", "int8:momentum=0.9", "powersgd:rank=2",
+                 "powersgd:rank=2,alternate=true"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -158,4 +159,4 @@ def test_fused_error_feedback_is_bit_for_bit_the_reference(world):
         for r in results:
             assert r[scheme]["agree"], scheme
             assert r[scheme]["finite"] == [True, True, False, True, True], (scheme, r[scheme]["finite"])
-            assert r[scheme]["residuals"] == 3, scheme
+            assert r[scheme]["residuals"] == (2 if "powersgd" in scheme else 3), scheme  # vectors go dense

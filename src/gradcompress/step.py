@@ -44,7 +44,7 @@ import torch
 
 from . import exchange
 from .codecs.base import Aggregation, Codec
-from .codecs.lowrank import initial_q, orthonormalize_, transposed_product
+from .codecs.lowrank import initial_q, orthonormalize_, product, transposed_product
 from .schedule import codec_at
 from .transforms import Clip, ErrorFeedback, MomentumCorrection
 
@@ -366,7 +366,7 @@ class Step:
         # then receive the result directly (no temporary output, no final copy); so may inputs whose error
         # feedback is fused into the encode (read once, before the first collective)
         summed = aggregation is Aggregation.SUM
-        fused = self._fuses_feedback(aggregation)
+        fused = aggregation is not Aggregation.LOWRANK and self._fuses_feedback(aggregation)
         inputs = [self._input(k, g, private=not (summed or fused), fused=fused) for k, g in comp]
         device = grads[0].device if grads else None
         # codecs that carry a NaN/Inf through to what every rank receives are checked there instead of on the
@@ -379,9 +379,9 @@ class Step:
         dtype = grads[0].dtype if grads else torch.float32
         dense_flat = torch.cat([g.reshape(-1) for _, g in dense] + [flag.reshape(1).to(dtype)])
         # results land in the gradients themselves where nothing reads the inputs after the result is written
-        # (every path but PowerSGD's; beyond the summed one only for float32 gradients, so that sums round as before)
-        direct = [g.is_contiguous() and (summed or (aggregation is not Aggregation.LOWRANK and g.dtype == x.dtype))
-                  for x, (_, g) in zip(inputs, comp)]
+        # (inputs are private copies, or read only before the first collective; beyond the summed path only
+        # for float32 gradients, so that sums round as before)
+        direct = [g.is_contiguous() and (summed or g.dtype == x.dtype) for x, (_, g) in zip(inputs, comp)]
         outs = [g if d else torch.empty_like(x) for d, x, (_, g) in zip(direct, inputs, comp)]
         flagged = bool(dense) or not ride
         jobs = [exchange.dense_mean(comm, dense_flat)] if flagged else []
@@ -409,10 +409,12 @@ class Step:
                 g.copy_(out.view(g.shape))
 
     def _fuses_feedback(self, aggregation: Aggregation) -> bool:
-        """Whether this step's worker error feedback runs inside the encode (``Codec.encode_feedback``): the
-        residual is added and the new one written in the codec's pass, x + residual is never stored. Not with
-        momentum masking (it needs the delivered values) nor a residual stored in another dtype."""
-        return (self._ef is not None and aggregation in (Aggregation.REQUANTIZE, Aggregation.GATHER)
+        """Whether this step's worker error feedback takes the fused path: quantisers and sparsifiers
+        (``REQUANTIZE``, ``GATHER``) run it inside the encode (``Codec.encode_feedback``: the residual is
+        added and the new one written in the codec's pass, x + residual is never stored); PowerSGD
+        (``LOWRANK``) computes its new residual in place with one ``addmm_``. Not with momentum masking (it
+        needs the delivered values) nor a residual stored in another dtype: those take the reference path."""
+        return (self._ef is not None and aggregation is not Aggregation.SUM
                 and self.compressor.residual_dtype == torch.float32
                 and not (self._momentum is not None and self._momentum.masking))
 
@@ -464,6 +466,20 @@ class Step:
             self.put("residual", key, self._ef.after(None, sent, once, out=out))
         if masking:
             self.put("momentum", key, self._momentum.after(self.new("momentum", key), sent, once))
+
+    def _delivered_product(self, key, sent: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """:meth:`_delivered` of a low-rank delivery ``a @ b.T``: the new residual ``sent - a @ b.T`` computed in
+        place by one ``addmm_`` (no n x m product materialised; the same values as the subtraction, which
+        stays the path for masked momentum and residuals in another dtype)."""
+        if not self._fuses_feedback(Aggregation.LOWRANK) or sent.dtype != torch.float32:
+            return self._delivered(key, sent, lambda: a @ b.T)
+        out = sent if self._owned.get(key) is sent else self._spare("residual", key, sent)
+        if out is None:
+            out = torch.empty_like(sent, memory_format=torch.contiguous_format)
+        if out is not sent:
+            out.copy_(sent)
+        out.view(a.shape[0], b.shape[0]).addmm_(a, b.T, alpha=-1)
+        self.put("residual", key, out)
 
     def _compressed_job(self, codec, aggregation, keys, inputs, outs, check_sum: bool = False) -> exchange.Job:
         comm = self.comm
@@ -627,12 +643,12 @@ class Step:
         dev = mats[0].device
         if not codec.alternate:
             qs = [self._basis("q", k, m.shape[1], r, dev, 0) for k, m, r in zip(keys, mats, rank_of)]
-            ps = torch.cat([(m @ q).reshape(-1) for m, q in zip(mats, qs)])
+            ps = torch.cat([product(m, q).reshape(-1) for m, q in zip(mats, qs)])
             yield [comm.all_reduce(ps)]
             p_hat = [orthonormalize_(p) for p in _split(ps, [(m.shape[0], r) for m, r in zip(mats, rank_of)])]
             q_local = [transposed_product(m, p) for m, p in zip(mats, p_hat)]
             for k, x, p, q in zip(keys, inputs, p_hat, q_local):
-                self._delivered(k, x, lambda p=p, q=q: p @ q.T)
+                self._delivered_product(k, x, p, q)
             q_flat = torch.cat([q.reshape(-1) for q in q_local])
             yield [comm.all_reduce(q_flat)]
             q_flat.div_(world)
@@ -643,9 +659,9 @@ class Step:
         p_step = self.index % 2 == 0
         bases = [self._basis("q" if p_step else "p", k, m.shape[1] if p_step else m.shape[0], r, dev,
                              1 if p_step else 2) for k, m, r in zip(keys, mats, rank_of)]
-        local = [(m @ b) if p_step else transposed_product(m, b) for m, b in zip(mats, bases)]
+        local = [product(m, b) if p_step else transposed_product(m, b) for m, b in zip(mats, bases)]
         for k, x, b, f in zip(keys, inputs, bases, local):
-            self._delivered(k, x, lambda f=f, b=b: f @ b.T if p_step else b @ f.T)
+            self._delivered_product(k, x, f, b) if p_step else self._delivered_product(k, x, b, f)
         flat = torch.cat([f.reshape(-1) for f in local])
         yield [comm.all_reduce(flat)]
         flat.div_(world)

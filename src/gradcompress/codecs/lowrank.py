@@ -67,6 +67,12 @@ def transposed_product(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (p.T @ mat).T.contiguous()
 
 
+def product(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``mat @ q`` computed as ``(q.T @ mat.T).T`` (contiguous): for a skinny ``q`` BLAS then reads ``mat``
+    row by row (3x faster on CPU here than its path for ``mat @ q``); float32 sums in another order."""
+    return (q.T.contiguous() @ mat.T).T.contiguous()
+
+
 @register("powersgd")
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Codec):
@@ -99,7 +105,7 @@ class PowerSGD(Codec):
         n, m = nm
         r = min(self.rank, n, m)
         mat = x.reshape(n, m).float().contiguous()  # same bits for any memory layout of x
-        p = orthonormalize_(mat @ initial_q(m, r, seed, x.device))
+        p = orthonormalize_(product(mat, initial_q(m, r, seed, x.device)))
         q = transposed_product(mat, p)
         return Payload((p, q), x.shape, x.dtype, seed)
 

@@ -85,6 +85,23 @@ class _Sparse(Codec):
         out = torch.zeros(numel, dtype=torch.float32, device=device)
         return out.index_copy_(0, idx, vals)
 
+    def encode_feedback(self, x, residual, *, seed=None, out):
+        """y = x + residual written into ``out`` once; the selection reads it there; then only the k kept
+        entries change (y - their decoded values): O(k) instead of a dense decode and a subtraction."""
+        flat = out.view(-1) if out.is_contiguous() else None
+        if (flat is None or out.dtype != torch.float32 or x.dtype != torch.float32
+                or (residual is not None and residual.dtype != torch.float32)):
+            return super().encode_feedback(x, residual, seed=seed, out=out)
+        if residual is not None:
+            torch.add(x.reshape(-1), residual.reshape(-1), out=flat)
+        elif flat.data_ptr() != x.data_ptr():
+            flat.copy_(x.reshape(-1))
+        payload = self.encode(out.view(x.shape), seed=seed)
+        if payload.tensors:
+            idx, vals = self._kept(payload.tensors, payload.seed)
+            flat.index_put_((idx,), flat.index_select(0, idx) - vals)
+        return payload
+
     def accumulate_into(self, payload, out):
         """The kept entries added at their positions (distinct within a payload): the gather path's mean costs
         O(W k + n), not W dense decodes. Same values as adding the dense decode (+0.0 elsewhere)."""
