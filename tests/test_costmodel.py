@@ -153,8 +153,10 @@ def test_wire_bytes_ours():
     sizes = [[7, 6], [5, 4, 3, 2], [1, 0]]
     mats = {0, 2, 4, 6}
 
-    def dense(b, comp):  # tensors below min_numel (none here but for PowerSGD the biases) + the flag
-        return 2 * (W - 1) * 4 * (sum(math.prod(MLP[i]) for i in b if i not in comp) + 1) // W
+    def dense(b, comp):  # tensors below min_numel (none here but for PowerSGD the biases) + the flag, which
+        # fp16, topk and int8 do not need when nothing travels dense (their received data carries a NaN/Inf)
+        n = sum(math.prod(MLP[i]) for i in b if i not in comp)
+        return 2 * (W - 1) * 4 * (n + 1) // W if n else 0
 
     every = set(range(len(MLP)))  # the biases have >= 1024 elements: compressed too
     # fp16: one all-reduce of the payloads
@@ -164,13 +166,15 @@ def test_wire_bytes_ours():
     topk = sum(dense(b, every) + (W - 1) * sum(8 * math.ceil(0.01 * math.prod(MLP[i])) for i in b)
                for b in sizes)
     assert cm.wire_bytes(cm.parse_scheme("topk:ratio=0.01"), MLP, W) == topk
-    # int8: two-step reduce of W chunks per tensor (all-to-all of them, all-gather of one)
+    # int8: two-step reduce of the bucket's 512-element buckets (each tensor starts on a bucket edge) in W
+    # chunks of whole buckets (all-to-all of them, all-gather of one)
     def int8(n):
         return n + 4 * math.ceil(n / 512)
 
     two = 0
     for b in sizes:
-        per = sum(int8(exchange.chunk_numel(math.prod(MLP[i]), W, 8)) for i in b)
+        buckets = sum(math.ceil(math.prod(MLP[i]) / 512) for i in b)
+        per = int8(math.ceil(buckets / W) * 512)
         two += dense(b, every) + (W - 1) * (W * per) // W + (W - 1) * per
     assert cm.wire_bytes(cm.parse_scheme("int8"), MLP, W) == two
     # powersgd rank 2: P and Q of the matrices all-reduced in two rounds, the biases dense

@@ -85,8 +85,10 @@ def expected_wire_bytes(world, codec, grads, min_numel):
     big = [(k, g) for k, g in enumerate(grads) if not any(g is s for s in small)]
     seeds = [mix_seed(0, k, 0, 0 if codec.shared_seed else rank, 0) for k, _ in big]
     big = [g for _, g in big]
-    total = ar((sum(g.numel() for g in small) + 1) * 4)  # dense batch + the non-finite flag
     agg = codec.aggregation
+    # the dense batch + the non-finite flag (none when nothing is dense and the received data carries a NaN)
+    rides = codec.preserves_nonfinite and agg is not Aggregation.LOWRANK
+    total = ar((sum(g.numel() for g in small) + 1) * 4) if small or not rides else 0
     if agg is Aggregation.SUM:
         total += ar(sum(codec.encode(g, seed=0).nbytes for g in big))
     elif agg is Aggregation.GATHER and codec.fixed_layout:
@@ -98,8 +100,10 @@ def expected_wire_bytes(world, codec, grads, min_numel):
         dist.all_gather_object(sizes, sum(p.nbytes for p in payloads))
         total += (world - 1) * counts * 8 + (world - 1) * max(sizes)
     elif agg is Aggregation.REQUANTIZE:
+        # the group's buckets back to back (each tensor from a bucket edge) in W chunks of whole buckets:
         # all-to-all of W chunk payloads ((W-1)/W of them leave) + all-gather of one re-encoded chunk
-        chunk_bytes = sum(codec.wire_nbytes(exchange.chunk_numel(g.numel(), world, 8)) for g in big)
+        buckets = sum(-(-g.numel() // codec.bucket) for g in big)
+        chunk_bytes = codec.wire_nbytes(-(-buckets // world) * codec.bucket)
         total += 2 * (world - 1) * chunk_bytes
     else:  # PowerSGD: one all-reduce of every P (n x r), one of every Q (m x r), float32
         shapes = [codec.matrix_shape(g.shape) for g in big]

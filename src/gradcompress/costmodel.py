@@ -268,11 +268,14 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
         return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
     comp = [i for i in bucket if _compressible(scheme, shapes[i])]
     dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
-    dense_bytes = FLOAT_BYTES * (dense + 1)  # + the finiteness flag
+    agg = codec.aggregation.value
+    # the finiteness flag travels with the dense tensors; without them only for codecs whose received data
+    # cannot carry a NaN/Inf (gradcompress.step: random-k, PowerSGD)
+    rides = codec.preserves_nonfinite and agg != "lowrank"
+    dense_bytes = FLOAT_BYTES * (dense + 1) if dense or not rides or not comp else 0
     dense_sent = allreduce_bytes(dense_bytes, W)
     if not comp:
         return [("allreduce", dense_bytes, dense_sent)]
-    agg = codec.aggregation.value
     if agg == "sum":
         pay = sum(payload_bytes(codec, numel_of(shapes[i]), shapes[i]) for i in comp)
         return [("allreduce", dense_bytes + pay, dense_sent + allreduce_bytes(pay, W))]
@@ -282,7 +285,11 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
     if agg == "requantize":
         if W == 1:
             return [("allreduce", dense_bytes, 0)]
-        per_rank = sum(payload_bytes(codec, chunk_numel(numel_of(shapes[i]), W)) for i in comp)
+        if hasattr(codec, "slices_by_bucket") and codec.slices_by_bucket():  # the whole group as one payload
+            buckets = sum(_ceil_div(numel_of(shapes[i]), codec.bucket) for i in comp)
+            per_rank = payload_bytes(codec, _ceil_div(buckets, W) * codec.bucket)
+        else:
+            per_rank = sum(payload_bytes(codec, chunk_numel(numel_of(shapes[i]), W)) for i in comp)
         send = W * per_rank
         return [("alltoall", dense_bytes + send, dense_sent + alltoall_bytes(send, W)),
                 ("allgather", per_rank, allgather_bytes(per_rank, W))]

@@ -101,6 +101,13 @@ class Collectives:
         outs = [torch.empty_like(t) for _ in range(self.world)]
         return outs, dist.all_gather(outs, t, group=self.group, async_op=True)
 
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Every rank's ``t`` back to back in one tensor (rank i's at block i)."""
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return out, gather(out, t.reshape(-1), group=self.group, async_op=True)
+
     def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Equal splits: block j of ``t`` goes to rank j; block i of the result came from rank i."""
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
@@ -154,6 +161,9 @@ class LocalCollectives(Collectives):
 
     def all_gather(self, t):
         return [t.clone() for _ in range(self.world)], Done()
+
+    def all_gather_flat(self, t):
+        return t.reshape(-1).repeat(self.world), Done()
 
     def all_to_all(self, t):
         return t.clone(), Done()
@@ -385,6 +395,38 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
         received(seen)
 
 
+def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
+                           reencode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                           finish: Callable[[torch.Tensor, torch.Tensor], None]) -> Job:
+    """The two-step reduce of a whole group's payload at once (bucketed quantisers, ``Codec.encode_piece``).
+
+    ``codes`` and ``scales`` are this rank's payload of the group: W equal chunks of whole buckets, chunk j
+    for rank j. Round 1: two all-to-alls (codes, scales; no copies into a byte buffer), so this rank holds
+    its chunk from every rank; it decodes the first into one buffer and adds the others into it
+    (``decode_into`` / ``accumulate_into``: W calls, whatever the number of tensors), averages, and
+    ``reencode(mean_chunk)`` gives its chunk's codes and scales. Round 2: two all-gathers into flat
+    tensors, which are then the group's payload in the same layout: ``finish(codes, scales)`` decodes it.
+    Each rank sends about twice its compressed size.
+    """
+    world = comm.world
+    got_codes, w1 = comm.all_to_all(codes)
+    got_scales, w2 = comm.all_to_all(scales)
+    yield [w1, w2]
+    cn, sn = codes.numel() // world, scales.numel() // world
+    per = sn * codec.bucket
+    total = torch.empty(per, dtype=torch.float32, device=codes.device)
+    shape = torch.Size([per])
+    for i in range(world):
+        theirs = Payload((got_codes[i * cn : (i + 1) * cn], got_scales[i * sn : (i + 1) * sn]), shape,
+                         torch.float32, None, codes.device)
+        (codec.accumulate_into if i else codec.decode_into)(theirs, total)
+    mine_codes, mine_scales = reencode(total.div_(world))
+    all_codes, w1 = comm.all_gather_flat(mine_codes)
+    all_scales, w2 = comm.all_gather_flat(mine_scales)
+    yield [w1, w2]
+    finish(all_codes, all_scales)
+
+
 def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload], out: torch.Tensor) -> Job:
     """A compressed reduce-scatter: ``payloads[j]`` is this rank's payload of chunk j (every chunk has
     ``out``'s numel). All-to-all (sizes first if the codec's payload size varies), so this rank holds
@@ -425,5 +467,5 @@ def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> li
 
 
 __all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "drive", "parallel", "start",
-           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
+           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "bucketed_two_step_mean", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
            "from_bytes"]

@@ -35,6 +35,7 @@ codecs (``threshold``, ``dgc``) before their all-gather.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 import zlib
@@ -43,7 +44,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from . import exchange
-from .codecs.base import Aggregation, Codec
+from .codecs.base import Aggregation, Codec, Payload
 from .codecs.lowrank import initial_q, orthonormalize_, product, transposed_product
 from .schedule import codec_at
 from .transforms import Clip, ErrorFeedback, MomentumCorrection
@@ -126,6 +127,9 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
     lo, hi = torch.aminmax(x)
     return torch.isfinite(lo) & torch.isfinite(hi)
 
+
+#: dense tensors of at least this many elements are all-reduced in place (no copy into a flat buffer and back)
+IN_PLACE_NUMEL = 1 << 20
 
 #: slots whose replaced tensors are recycled as buffers (their new value never reads the old tensor in place)
 RECYCLED = ("residual", "server_residual")
@@ -308,9 +312,9 @@ class Step:
         """Add a 0-d bool (the same on every rank) to the finiteness decision of :meth:`end`."""
         self._checks.append(flag)
 
-    def seed(self, key: Hashable, codec: Codec, salt: int = 0) -> int:
-        """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs)."""
-        rank = 0 if codec.shared_seed else self.comm.rank
+    def seed(self, key: Hashable, codec: Codec, salt: int = 0, shared: bool = False) -> int:
+        """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs, or ``shared``)."""
+        rank = 0 if codec.shared_seed or shared else self.comm.rank
         return mix_seed(self.compressor.seed, key_number(key), self.index, rank, salt)
 
     # ---------------------------------------------------------------- internals
@@ -341,6 +345,17 @@ class Step:
             if self._momentum is not None:
                 for k, g in zip(keys, grads):
                     self._with_momentum(k, g)
+            if buffer is None and not self.monitoring:  # large contiguous tensors are all-reduced where they lie
+                big = [g for g in grads if g.numel() >= IN_PLACE_NUMEL and g.is_contiguous()]
+                if big:
+                    rest = [g for g in grads if not (g.numel() >= IN_PLACE_NUMEL and g.is_contiguous())]
+                    flat = torch.cat([g.reshape(-1) for g in rest]) if rest else None
+                    parts = big + ([flat] if flat is not None else [])
+                    yield from exchange.parallel([exchange.dense_mean(comm, t) for t in parts])
+                    self.check(torch.stack([all_finite(t) for t in parts]).all())
+                    if flat is not None:
+                        _scatter(flat, rest)
+                    return
             flat = buffer if buffer is not None else torch.cat([g.reshape(-1) for g in grads]) if grads else None
             if flat is not None and flat.numel():
                 exact = flat.float().clone() if self.monitoring and not force_dense else None
@@ -516,6 +531,8 @@ class Step:
                 if check_sum:
                     self._check_payloads([p])
                 codec.decode_into(p, out)
+        elif aggregation is Aggregation.REQUANTIZE and self._whole_group(codec):
+            yield from self._bucketed_job(codec, keys, inputs, outs, check_sum)
         elif aggregation is Aggregation.REQUANTIZE:
             chunked = []
             for k, x in zip(keys, inputs):
@@ -556,6 +573,93 @@ class Step:
         parts = exchange.split_chunks(x.reshape(-1), self.comm.world, exchange.CHUNK_BLOCK)
         seed = self.seed(key, codec)
         return [codec.encode(c, seed=mix_seed(seed, j)) for j, c in enumerate(parts)]
+
+    def _whole_group(self, codec: Codec) -> bool:
+        """Whether the two-step reduce sends the group's tensors as one payload (:meth:`_bucketed_job`): bucketed
+        quantisers whose codes can be cut at bucket edges, without server error feedback (whose residuals are
+        kept per tensor chunk, on the per-tensor path)."""
+        return (self._server_ef is None and hasattr(codec, "encode_piece") and codec.slices_by_bucket())
+
+    def _zeroed(self, name: str, key, numel: int, dtype, device) -> torch.Tensor:
+        """A persistent zero-initialised buffer (reused across steps; callers write the same positions each step)."""
+        work = self.compressor.workspace
+        buf = work.get((name, key))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = work[name, key] = torch.zeros(numel, dtype=dtype, device=device)
+        return buf
+
+    def _bucketed_job(self, codec, keys, inputs, outs, check: bool) -> exchange.Job:
+        """The two-step reduce of a bucketed quantiser over the whole group at once.
+
+        Layout: the tensors' buckets back to back (each tensor starts on a bucket edge, so no bucket holds
+        two tensors and the scales are the same as encoding each tensor alone), cut into W chunks of
+        ``ceil(buckets / W)`` buckets; codes and scales are two flat buffers in that layout. Each tensor is
+        encoded once into its place (with the worker error feedback fused: ``Codec.encode_piece``), the
+        chunk owner decodes W payloads and re-encodes its chunk tensor piece by tensor piece, and each
+        tensor is decoded once from the gathered buffers straight into its output. Python work per step:
+        O(tensors + W) calls, not O(tensors x W). Finiteness: the gathered scales (every rank holds them).
+        """
+        comm, world = self.comm, self.comm.world
+        size, device = codec.bucket, inputs[0].device
+        first = [0]  # the first bucket of each tensor, then the total
+        for x in inputs:
+            first.append(first[-1] + -(-x.numel() // size))
+        per_chunk = -(-first[-1] // world)  # buckets per chunk
+        code_dtype, chunk_codes = codec.code_layout(per_chunk * size)
+        per_bucket = codec.code_layout(size)[1]  # whole code elements per bucket (slices_by_bucket)
+        group = tuple(keys)
+        codes = self._zeroed("codes", group, world * chunk_codes, code_dtype, device)
+        scales = self._zeroed("scales", group, world * per_chunk, torch.float32, device)
+
+        def place(c: torch.Tensor, s: torch.Tensor, bucket: int, numel: int):
+            """The codes and scales of ``numel`` elements starting at ``bucket`` (relative to c and s)."""
+            at = bucket * per_bucket
+            return c[at : at + codec.code_layout(numel)[1]], s[bucket : bucket - (-numel // size)]
+
+        fused = self._fuses_feedback(Aggregation.REQUANTIZE)
+        for t, (k, x) in enumerate(zip(keys, inputs)):
+            c, s = place(codes, scales, first[t], x.numel())
+            seed = self.seed(k, codec)
+            if fused:
+                residual = self.old("residual", k)
+                if residual is not None and residual.shape != x.shape:
+                    residual = None
+                out = self._spare("residual", k, x)
+                if out is None:
+                    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+                codec.encode_piece(x, residual, out, c, s, seed)
+                self.put("residual", k, out)
+            else:
+                codec.encode_piece(x, None, None, c, s, seed)
+                self._delivered(k, x, lambda c=c, s=s, x=x, seed=seed: codec.decode(
+                    Payload((c, s), x.shape, torch.float32, seed, device)).float())
+        lo, hi = comm.rank * per_chunk, (comm.rank + 1) * per_chunk
+
+        def reencode(mean: torch.Tensor):
+            mine_codes = self._zeroed("owner codes", group, chunk_codes, code_dtype, device)
+            mine_scales = self._zeroed("owner scales", group, per_chunk, torch.float32, device)
+            for t in range(max(0, bisect.bisect_right(first, lo) - 1), len(inputs)):
+                a, b = max(first[t], lo), min(first[t + 1], hi)
+                if a >= hi:
+                    break
+                if a >= b:
+                    continue
+                start = (a - first[t]) * size
+                numel = min(inputs[t].numel(), (b - first[t]) * size) - start
+                c, s = place(mine_codes, mine_scales, a - lo, numel)
+                m = mean[(a - lo) * size : (a - lo) * size + numel]
+                # the noise of an element's re-encode does not depend on which rank owns it (nor on the grouping)
+                codec.encode_piece(m, None, None, c, s, self.seed(keys[t], codec, salt=1, shared=True), start)
+            return mine_codes, mine_scales
+
+        def finish(all_codes: torch.Tensor, all_scales: torch.Tensor) -> None:
+            if check:
+                self.check(all_finite(all_scales))
+            for t, (x, out) in enumerate(zip(inputs, outs)):
+                c, s = place(all_codes, all_scales, first[t], x.numel())
+                codec.decode_into(Payload((c, s), x.shape, torch.float32, None, device), out)
+
+        yield from exchange.bucketed_two_step_mean(comm, codec, codes, scales, reencode, finish)
 
     def _check_payloads(self, payloads: list) -> None:
         """The step's finiteness, read from received payloads that every rank holds alike (see :func:`exchange.floats`)."""

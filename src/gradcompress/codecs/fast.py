@@ -57,7 +57,7 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 4  # gc_version() of the source this module drives
+_VERSION = 5  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
@@ -220,7 +220,7 @@ def _declare(lib) -> None:
     sigs = {
         "gc_version": (c_int, []),
         "gc_quantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_p, c_int,
-                                c_int, c_int, c_f, c_int]),
+                                c_int, c_int, c_f, c_u64, c_int]),
         "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_int, c_p, c_int]),
         "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
@@ -320,7 +320,8 @@ _SALT_NOISE = 1
 
 def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, seed: int | None = None,
              stochastic: bool = False, *, residual: torch.Tensor | None = None,
-             residual_out: torch.Tensor | None = None, decoding: tuple = (False, 1, 0, 1.0)
+             residual_out: torch.Tensor | None = None, decoding: tuple = (False, 1, 0, 1.0),
+             codes_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, index0: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scale + codes + packing of a float32 1-D tensor: (codes, one float32 scale per bucket).
 
@@ -330,14 +331,21 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     Fused error feedback: with ``residual`` (float32, x's size) the codes are those of
     ``x + residual``; ``residual_out`` (float32, x's size; may be x or residual itself)
     receives ``(x + residual) - decode(codes)`` in the same pass, the decode being
-    :func:`dequantize` with ``decoding = (signed, mul, offset, div)``.
+    :func:`dequantize` with ``decoding = (signed, mul, offset, div)``. ``codes_out`` /
+    ``scale_out``: write into these (contiguous, of the sizes above) instead of new tensors.
+    ``index0``: element i draws the noise of index ``index0 + i`` of the seed's stream (a piece of a
+    tensor that starts at element ``index0`` gets the noise the whole tensor's encode would give it).
     """
     lib = library()
     n = x.numel()
     nb = -(-n // bucket)
     signed = kind == UNIFORM and bits == 8
-    codes = torch.empty((n * bits + 7) // 8, dtype=torch.int8 if signed else torch.uint8)
-    scale = torch.empty(nb, dtype=torch.float32)
+    code_dtype = torch.int8 if signed else torch.uint8
+    codes = torch.empty((n * bits + 7) // 8, dtype=code_dtype) if codes_out is None else codes_out
+    scale = torch.empty(nb, dtype=torch.float32) if scale_out is None else scale_out
+    if (codes.numel() != (n * bits + 7) // 8 or codes.dtype != code_dtype or not codes.is_contiguous()
+            or scale.numel() != nb or scale.dtype != torch.float32 or not scale.is_contiguous()):
+        raise ValueError("fast.quantize: codes_out / scale_out do not have the payload's layout")
     key = stream_key(seed or 0, _SALT_NOISE)
     for t in (residual, residual_out):
         if t is not None and (t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous()):
@@ -346,7 +354,7 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     rc = lib.gc_quantize(_ptr(x), None if residual is None else _ptr(residual), n, bucket, kind, bits, qmax,
                          int(stochastic), key, _ptr(codes), _ptr(scale),
                          None if residual_out is None else _ptr(residual_out), int(is_signed), mul, offset,
-                         float(div), _threads(n))
+                         float(div), int(index0), _threads(n))
     if rc:
         raise ValueError(f"fast.quantize: unsupported bits={bits}, bucket={bucket}")
     return codes, scale
@@ -370,9 +378,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bi
 
 
 def dequantize_ok(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bits: int,
-                  code_dtype: torch.dtype) -> bool:
-    """Whether received payload tensors have the layout :func:`dequantize` reads (else: reference path)."""
-    return (codes.device.type == "cpu" and scale.device.type == "cpu" and MIN_NUMEL <= n < 2**31
+                  code_dtype: torch.dtype, any_size: bool = False) -> bool:
+    """Whether received payload tensors have the layout :func:`dequantize` reads (else: reference path);
+    ``any_size``: also below :data:`MIN_NUMEL` (decodes are the same values on both paths)."""
+    return (codes.device.type == "cpu" and scale.device.type == "cpu" and (any_size or MIN_NUMEL <= n) and n < 2**31
             and codes.dtype == code_dtype and scale.dtype == torch.float32
             and codes.is_contiguous() and scale.is_contiguous()
             and codes.numel() == (n * bits + 7) // 8 and scale.numel() == -(-n // bucket)

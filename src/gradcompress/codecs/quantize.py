@@ -106,6 +106,7 @@ class Bucketed(Codec):
     """
 
     code_dtype = torch.uint8
+    bits = 8
 
     def kernel(self) -> tuple[int, int, int, bool] | None:
         """(kind, bits, qmax, stochastic) of :func:`fast.quantize`, or None when no kernel applies."""
@@ -115,17 +116,59 @@ class Bucketed(Codec):
         """(signed, mul, offset, div): a code c decodes to ``float(c * mul - offset) * (scale / div)``."""
         raise NotImplementedError
 
-    def _fast_encode(self, flat: torch.Tensor, seed, residual=None, residual_out=None):
+    def code_layout(self, numel: int) -> tuple[torch.dtype, int]:
+        """(dtype, count) of the codes of ``numel`` elements: packed bytes, or one int16 each above 8 bits."""
+        if self.bits > 8:
+            return torch.int16, numel
+        return self.code_dtype, (numel * self.bits + 7) // 8
+
+    def slices_by_bucket(self) -> bool:
+        """Whether codes of whole buckets start on a whole code element, so a payload of many buckets can be
+        cut at any bucket edge (the whole-group two-step reduce, :meth:`encode_piece`)."""
+        return self.bits >= 8 or (self.bucket * self.bits) % 8 == 0
+
+    def encode_piece(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+                     codes: torch.Tensor, scales: torch.Tensor, seed: int | None, offset: int = 0) -> None:
+        """Encode ``x`` (+ ``residual``) into the caller's payload buffers ``codes`` and ``scales`` (of
+        :meth:`code_layout` and one scale per bucket); ``out`` (optional) receives (x + residual) - decode.
+        ``x`` may be a piece of a tensor starting at element ``offset`` (on a bucket edge): with the kernels,
+        stochastic rounding then draws the noise the whole tensor's encode would (the reference path
+        draws from ``seed`` mixed with ``offset``).
+
+        With the fused kernels (CPU, at any size) it is one pass; else the reference (encode, copy, and a
+        full decode subtracted). The whole-group two-step reduce calls this once per tensor, so its
+        payload is one buffer whose buckets never straddle two tensors."""
+        flat = x.reshape(-1)
+        kernel = self.kernel()
+        if (kernel is not None and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
+                and flat.numel() < 2**31 and fast.enabled() and fast.library() is not None
+                and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
+                and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
+            self._fast_encode(flat, seed, None if residual is None else residual.reshape(-1),
+                              None if out is None else out.view(-1), codes, scales, offset)
+            return
+        if offset and seed is not None:
+            seed = (seed * 0x9E3779B97F4A7C15 + offset) & (2**62 - 1)
+        if out is not None:
+            payload = Codec.encode_feedback(self, x, residual, seed=seed, out=out)
+        else:
+            payload = self.encode(x if residual is None else x + residual.to(x.dtype), seed=seed)
+        codes.copy_(payload.tensors[0].reshape(-1))
+        scales.copy_(payload.tensors[1])
+
+    def _fast_encode(self, flat: torch.Tensor, seed, residual=None, residual_out=None, codes=None, scales=None,
+                     offset: int = 0):
         kind, bits, qmax, stochastic = self.kernel()
         return fast.quantize(fast.as_float32(flat), self.bucket, kind, bits, qmax, seed, stochastic,
-                             residual=residual, residual_out=residual_out, decoding=self.decoding())
+                             residual=residual, residual_out=residual_out, decoding=self.decoding(),
+                             codes_out=codes, scale_out=scales, index0=offset)
 
-    def _fast_decodes(self, tensors, numel: int) -> bool:
+    def _fast_decodes(self, tensors, numel: int, any_size: bool = False) -> bool:
         kernel = self.kernel()
         if kernel is None or len(tensors) != 2:
             return False
         codes, scale = tensors
-        return fast.dequantize_ok(codes, scale, numel, self.bucket, kernel[1], self.code_dtype)
+        return fast.dequantize_ok(codes, scale, numel, self.bucket, kernel[1], self.code_dtype, any_size)
 
     def _fast_decode(self, tensors, numel: int, out: torch.Tensor | None = None, accumulate: bool = False):
         codes, scale = tensors
@@ -136,7 +179,7 @@ class Bucketed(Codec):
     def _into(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> bool:
         n = payload.numel
         if (n == 0 or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n
-                or not self._fast_decodes(payload.tensors, n)):
+                or not self._fast_decodes(payload.tensors, n, any_size=True)):
             return False
         self._fast_decode(payload.tensors, n, out.view(-1), accumulate)
         return True
@@ -317,6 +360,8 @@ class TernGrad(Bucketed):
 
     def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
         return packed_nbytes(numel, 2, self.bucket)
+
+    bits = 2
 
     def kernel(self):
         return (fast.TERNGRAD, 2, 0, True) if self.bucket % 8 == 0 else None

@@ -31,6 +31,8 @@ class Sign(Bucketed):
     def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
         return packed_nbytes(numel, 1, self.bucket)
 
+    bits = 1
+
     def kernel(self):
         return (fast.SIGN, 1, 0, False) if self.bucket % 8 == 0 else None
 

@@ -283,7 +283,7 @@ struct Decode {
 // beyond one bucket. rout may alias x or r (each bucket is read whole before any of it is written).
 template <int BITS>
 void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
-                   uint8_t* codes, float* scale, float* rout, int nthreads) {
+                   uint8_t* codes, float* scale, float* rout, uint64_t index0, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
@@ -304,7 +304,7 @@ void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, co
       const float sd = s / d.div;
       for (int64_t o = 0; o < len; o += BLOCK) {
         const int64_t l = std::min(BLOCK, len - o);
-        block_codes(y + o, l, uint64_t(start + o), s, p, c);
+        block_codes(y + o, l, index0 + uint64_t(start + o), s, p, c);
         pack_block<BITS>(c, l, codes + (start + o) * BITS / 8);  // start + o is a multiple of 8 when BITS < 8
         if (!rout) continue;
         float* ro = rout + start + o;
@@ -420,7 +420,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 4; }
+GC_API int gc_version() { return 5; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
@@ -436,15 +436,16 @@ GC_API int gc_version() { return 4; }
 
 // codes: int8 (bits 8, UNIFORM), uint8 otherwise, packed to ceil(n * bits / 8) bytes (bits < 8 needs bucket % 8 == 0).
 // Encodes x + r (r may be null); rout (may be null) receives (x + r) - decode(codes), decoded as gc_dequantize does
-// with (is_signed, mul, offset, div).
+// with (is_signed, mul, offset, div). Element i draws the noise of index index0 + i (a piece of a longer tensor
+// draws what the whole tensor would).
 GC_API int gc_quantize(const float* x, const float* r, int64_t n, int64_t bucket, int kind, int bits, int qmax,
                        int stochastic, uint64_t key, void* codes, float* scale, float* rout, int is_signed, int mul,
-                       int offset, float div, int nthreads) {
+                       int offset, float div, uint64_t index0, int nthreads) {
   if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
   const QParams p{kind, bits, qmax, stochastic, key};
   const Decode d{is_signed, mul, offset, div};
   uint8_t* c = static_cast<uint8_t*>(codes);
-#define GC_Q(B) quantize_impl<B>(x, r, n, bucket, p, d, c, scale, rout, nthreads)
+#define GC_Q(B) quantize_impl<B>(x, r, n, bucket, p, d, c, scale, rout, index0, nthreads)
   GC_BITS_SWITCH(GC_Q)
 #undef GC_Q
   return 0;
