@@ -261,3 +261,24 @@ def fused_versus_reference(rank, world, schemes, steps=5, bad_step=2):
             agree &= _state_equal(fused.state_dict(), ref.state_dict())
         out[scheme] = {"agree": agree, "finite": finite, "residuals": len(fused.state.slots["residual"])}
     return out
+
+
+def mixed_magnitudes(rank, world, spec):
+    """A group of a tiny-valued tensor between two huge ones (sizes off the 512-element bucket grid), averaged
+    by the whole-group two-step reduce: the largest error of each tensor and its values' largest magnitude."""
+    g = torch.Generator().manual_seed(rank)
+    sizes, scales = [51300, 46300, 35000], [1e3, 1e-6, 1e3]  # off the grid, padded by < 1 %: one payload
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    grads = [torch.randn(n, generator=g) * s for n, s in zip(sizes, scales)]
+    exact = [t.clone() for t in grads]
+    for t in exact:
+        dist.all_reduce(t)
+        t /= world
+    for p, t in zip(params, grads):
+        p.grad = t.clone()
+    comp = compressor(spec, min_numel=0, error_feedback=False)
+    comp.synchronize(params)
+    amax = [t.abs().max() for t in grads]
+    for a in amax:
+        dist.all_reduce(a, op=dist.ReduceOp.MAX)
+    return [(float((p.grad - e).abs().max()), float(a)) for p, e, a in zip(params, exact, amax)]

@@ -145,6 +145,7 @@ def test_recycled_buffers_change_nothing(spec):
 
 FUSED_SCHEMES = ["int8", "int4", "sign", "sign:bucket=64", "topk:ratio=0.05", "topk:ratio=0.01,values=int8",
                  "threshold:value=1.0", "int8|allgather", "int8:momentum=0.9", "powersgd:rank=2",
+                 "sign:server_error_feedback=true", "int4:bucket=64,server_error_feedback=true",
                  "powersgd:rank=2,alternate=true"]
 
 
@@ -160,3 +161,16 @@ def test_fused_error_feedback_is_bit_for_bit_the_reference(world):
             assert r[scheme]["agree"], scheme
             assert r[scheme]["finite"] == [True, True, False, True, True], (scheme, r[scheme]["finite"])
             assert r[scheme]["residuals"] == (2 if "powersgd" in scheme else 3), scheme  # vectors go dense
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_whole_group_scales_stay_per_tensor(spec):
+    """In the whole-group two-step reduce every tensor starts on a bucket edge: a tiny tensor between two huge
+    ones keeps its own scales (error within two quantisation levels of its own range on 3 ranks), where a
+    bucket shared with a neighbour would give it an error of the neighbour's size (1e9 times larger)."""
+    results = launch.run(rw.mixed_magnitudes, 3, spec, timeout=TIMEOUT)
+    levels = 127 if spec == "int8" else 7
+    for r in results:
+        for err, amax in r:
+            assert err <= 2 * amax / levels, (spec, err, amax)
+        assert r[1][0] < 1e-6  # the tiny tensor: errors of its own magnitude, not of its neighbours'

@@ -102,8 +102,12 @@ def expected_wire_bytes(world, codec, grads, min_numel):
     elif agg is Aggregation.REQUANTIZE:
         # the group's buckets back to back (each tensor from a bucket edge) in W chunks of whole buckets:
         # all-to-all of W chunk payloads ((W-1)/W of them leave) + all-gather of one re-encoded chunk
-        buckets = sum(-(-g.numel() // codec.bucket) for g in big)
-        chunk_bytes = codec.wire_nbytes(-(-buckets // world) * codec.bucket)
+        # for tensors whose last bucket pads them by at most 1 %; the others as their own W chunks each
+        whole = [g.numel() for g in big if (-g.numel()) % codec.bucket <= 0.01 * g.numel()]
+        rest = [g.numel() for g in big if (-g.numel()) % codec.bucket > 0.01 * g.numel()]
+        buckets = sum(-(-n // codec.bucket) for n in whole)
+        chunk_bytes = codec.wire_nbytes(-(-buckets // world) * codec.bucket) if whole else 0
+        chunk_bytes += sum(codec.wire_nbytes(exchange.chunk_numel(n, world, 8)) for n in rest)
         total += 2 * (world - 1) * chunk_bytes
     else:  # PowerSGD: one all-reduce of every P (n x r), one of every Q (m x r), float32
         shapes = [codec.matrix_shape(g.shape) for g in big]

@@ -44,7 +44,7 @@ import math
 import re
 from typing import Sequence
 
-from .exchange import chunk_numel
+from .exchange import chunk_numel, fills_buckets, whole_group_elements
 
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
@@ -285,11 +285,12 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
     if agg == "requantize":
         if W == 1:
             return [("allreduce", dense_bytes, 0)]
-        if hasattr(codec, "slices_by_bucket") and codec.slices_by_bucket():  # the whole group as one payload
-            buckets = sum(_ceil_div(numel_of(shapes[i]), codec.bucket) for i in comp)
-            per_rank = payload_bytes(codec, _ceil_div(buckets, W) * codec.bucket)
-        else:
-            per_rank = sum(payload_bytes(codec, chunk_numel(numel_of(shapes[i]), W)) for i in comp)
+        numels = [numel_of(shapes[i]) for i in comp]
+        grouped = hasattr(codec, "slices_by_bucket") and codec.slices_by_bucket()
+        whole = [n for n in numels if grouped and fills_buckets(n, codec.bucket)]  # one payload for these
+        per_rank = payload_bytes(codec, whole_group_elements(whole, codec.bucket, W) // W) if whole else 0
+        per_rank += sum(payload_bytes(codec, chunk_numel(n, W)) for n in numels
+                        if not (grouped and fills_buckets(n, codec.bucket)))  # W chunks of each of these
         send = W * per_rank
         return [("alltoall", dense_bytes + send, dense_sent + alltoall_bytes(send, W)),
                 ("allgather", per_rank, allgather_bytes(per_rank, W))]

@@ -395,6 +395,23 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
         received(seen)
 
 
+#: a tensor joins its group's single payload while its last bucket pads it by at most this fraction
+WHOLE_GROUP_SLACK = 0.01
+
+
+def fills_buckets(numel: int, bucket: int) -> bool:
+    """Whether a tensor of ``numel`` elements travels in the whole-group payload (its last bucket pads it by
+    at most :data:`WHOLE_GROUP_SLACK`): every multiple of the bucket, and anything over 100 buckets."""
+    return numel > 0 and (-numel) % bucket <= WHOLE_GROUP_SLACK * numel
+
+
+def whole_group_elements(numels: Sequence[int], bucket: int, world: int) -> int:
+    """Elements one rank's whole-group payload holds: the tensors' buckets back to back (each tensor from a
+    bucket edge) in ``world`` chunks of whole buckets."""
+    buckets = sum(-(-n // bucket) for n in numels)
+    return world * -(-buckets // world) * bucket
+
+
 def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
                            reencode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                            finish: Callable[[torch.Tensor, torch.Tensor], None]) -> Job:
@@ -467,5 +484,6 @@ def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> li
 
 
 __all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "drive", "parallel", "start",
-           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "bucketed_two_step_mean", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
+           "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "bucketed_two_step_mean",
+           "fills_buckets", "whole_group_elements", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
            "from_bytes"]

@@ -21,8 +21,10 @@ codec, the collective its algebra allows (:mod:`gradcompress.exchange`), server 
 feedback at the chunk owner (two-step reduce) and the decode. New states are held in the
 step, never written into the Compressor's :class:`State` before :meth:`Step.end`:
 
-* finite on every rank (decided from values every rank has after the all-reduces: the
-  dense results and one flag that carries each rank's compressed inputs' finiteness):
+* finite on every rank (decided from values every rank has after the collectives: the
+  dense results, the received payloads of codecs that carry a NaN/Inf through — the summed
+  casts, the quantisers' scales, the sparsifiers' values — and, for the others or when
+  tensors travel dense, one flag element that carries each rank's inputs' finiteness):
   every new state is committed and the schedule position advances;
 * otherwise every rank's result is non-finite (``GradScaler`` skips the step everywhere)
   and nothing is committed: residuals, PowerSGD factors, momentum and the schedule
@@ -531,24 +533,17 @@ class Step:
                 if check_sum:
                     self._check_payloads([p])
                 codec.decode_into(p, out)
-        elif aggregation is Aggregation.REQUANTIZE and self._whole_group(codec):
-            yield from self._bucketed_job(codec, keys, inputs, outs, check_sum)
         elif aggregation is Aggregation.REQUANTIZE:
-            chunked = []
-            for k, x in zip(keys, inputs):
-                if self._fuses_feedback(aggregation):
-                    seed = self.seed(k, codec)
-                    payloads = self._encode_fed(codec, k, x, [mix_seed(seed, j) for j in range(world)], world)
-                else:
-                    payloads = self.encode_chunks(codec, k, x)
-                    self._delivered(k, x, lambda ps=payloads, n=x.numel(), d=x.device: decode_chunks(codec, ps, n, d))
-                chunked.append(payloads)
-
-            def reencode(i: int, mean_chunk: torch.Tensor):
-                return self.encode_owned_chunk(codec, keys[i], mean_chunk)
-
-            yield from exchange.two_step_mean(comm, codec, chunked, outs, reencode,
-                                              self._check_payloads if check_sum else None)
+            # tensors that lie on whole quantisation buckets (or nearly) travel as one payload; the others as
+            # their own W chunks each; decided per tensor, so results do not depend on how tensors are grouped
+            whole = [self._whole_group(codec, x) for x in inputs]
+            parts = [[v for v, w in zip(seq, whole) if w == flag] for flag in (True, False) for seq in (keys, inputs, outs)]
+            jobs = []
+            if parts[0]:
+                jobs.append(self._bucketed_job(codec, *parts[:3], check_sum))
+            if parts[3]:
+                jobs.append(self._chunked_job(codec, *parts[3:], check_sum))
+            yield from exchange.parallel(jobs)
         else:
             yield from self._lowrank_job(codec, keys, inputs, outs)
 
@@ -574,11 +569,33 @@ class Step:
         seed = self.seed(key, codec)
         return [codec.encode(c, seed=mix_seed(seed, j)) for j, c in enumerate(parts)]
 
-    def _whole_group(self, codec: Codec) -> bool:
-        """Whether the two-step reduce sends the group's tensors as one payload (:meth:`_bucketed_job`): bucketed
-        quantisers whose codes can be cut at bucket edges, without server error feedback (whose residuals are
-        kept per tensor chunk, on the per-tensor path)."""
-        return (self._server_ef is None and hasattr(codec, "encode_piece") and codec.slices_by_bucket())
+    def _whole_group(self, codec: Codec, x: torch.Tensor) -> bool:
+        """Whether ``x`` travels in its group's single payload (:meth:`_bucketed_job`): bucketed quantisers whose
+        codes can be cut at bucket edges, without server error feedback (whose residuals are kept per tensor
+        chunk, on the per-tensor path), for tensors whose last bucket pads them by at most 1 %
+        (:func:`exchange.fills_buckets`). The others take :meth:`_chunked_job`."""
+        return (self._server_ef is None and hasattr(codec, "encode_piece") and codec.slices_by_bucket()
+                and exchange.fills_buckets(x.numel(), codec.bucket))
+
+    def _chunked_job(self, codec, keys, inputs, outs, check: bool) -> exchange.Job:
+        """The per-tensor two-step reduce: each tensor cut into W chunks (:func:`exchange.split_chunks`), each
+        chunk its own payload (O(tensors x W) calls; for tensors off the bucket grid and server error feedback)."""
+        world = self.comm.world
+        chunked = []
+        for k, x in zip(keys, inputs):
+            if self._fuses_feedback(Aggregation.REQUANTIZE):
+                seed = self.seed(k, codec)
+                payloads = self._encode_fed(codec, k, x, [mix_seed(seed, j) for j in range(world)], world)
+            else:
+                payloads = self.encode_chunks(codec, k, x)
+                self._delivered(k, x, lambda ps=payloads, n=x.numel(), d=x.device: decode_chunks(codec, ps, n, d))
+            chunked.append(payloads)
+
+        def reencode(i: int, mean_chunk: torch.Tensor):
+            return self.encode_owned_chunk(codec, keys[i], mean_chunk)
+
+        yield from exchange.two_step_mean(self.comm, codec, chunked, outs, reencode,
+                                          self._check_payloads if check else None)
 
     def _zeroed(self, name: str, key, numel: int, dtype, device) -> torch.Tensor:
         """A persistent zero-initialised buffer (reused across steps; callers write the same positions each step)."""
