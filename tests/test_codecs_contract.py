@@ -385,3 +385,21 @@ def test_accumulate_into_is_adding_the_decode(spec):
     got = base.clone()
     codec.accumulate_into(p, got)
     assert torch.equal(got, base + codec.decode(p))
+
+
+@pytest.mark.parametrize("n, ratio", [(3000, 0.05), (400_000, 0.3)])
+def test_accumulate_gathered_is_adding_each_rank_in_turn(n, ratio):
+    """The gather path's one index_add_ for all ranks (payload tensors stacked by rank) gives bit for bit what
+    adding each rank's payload in rank order gives, with positions shared by many ranks."""
+    codec = make(f"topk:ratio={ratio}")
+    g = torch.Generator().manual_seed(6)
+    common = torch.randn(n, generator=g)
+    payloads = [codec.encode(common + 0.3 * torch.randn(n, generator=g), seed=0) for _ in range(8)]
+    parts = [torch.stack([p.tensors[i] for p in payloads]) for i in range(2)]
+    got = torch.zeros(n)
+    assert codec.accumulate_gathered(payloads[0], parts, got)
+    want = torch.zeros(n)
+    for p in payloads:
+        codec.accumulate_into(p, want)
+    assert torch.equal(got, want)
+    assert not make("topk:values=int8").accumulate_gathered(payloads[0], parts, got)  # per rank instead

@@ -309,6 +309,27 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
     for out in outs:
         out.zero_()
     seen = []
+    if codec.fixed_layout and hasattr(codec, "accumulate_gathered") and len(gathered) > 1:
+        # every rank's buffer has the same layout: one view per payload tensor with a leading rank dimension,
+        # and one accumulate per tensor for all ranks (O(tensors) calls, not O(tensors x W))
+        stacked = torch.stack(gathered)
+        if stacked.shape[1] % 8:  # rows 8-byte aligned, so that a row's tensors can be viewed in their dtype
+            stacked = torch.nn.functional.pad(stacked, (0, 8 - stacked.shape[1] % 8))
+        offset = 0
+        for p, out in zip(payloads, outs):
+            parts = []
+            for t in p.tensors:
+                size = t.numel() * t.element_size()
+                part = stacked[:, offset : offset + size]
+                if offset % t.element_size():
+                    part = part.clone()
+                parts.append(part.view(t.dtype))
+                offset += size
+            if not codec.accumulate_gathered(p, parts, out):
+                for i in range(len(gathered)):
+                    codec.accumulate_into(p.replace(tuple(q[i] for q in parts)), out)
+            seen.append(p.replace(tuple(parts)))
+        gathered = []
     for buf, rank_layout in zip(gathered, layouts):
         offset = 0
         for p, lay, out in zip(payloads, rank_layout, outs):

@@ -102,6 +102,16 @@ class _Sparse(Codec):
             flat.index_put_((idx,), flat.index_select(0, idx) - vals)
         return payload
 
+    def accumulate_gathered(self, payload, parts, out) -> bool:
+        """Every rank's payload of one tensor added at once: ``parts`` are the payload's tensors with a leading
+        rank dimension (values, positions). One ``index_add_`` in rank order: the same sums as adding each
+        rank's payload in turn. False (not handled) for quantised values and variable sizes."""
+        if self.values is not None or not self.fixed_layout or payload.numel == 0:
+            return False
+        vals, idx = parts
+        out.view(-1).index_add_(0, idx.reshape(-1).long(), vals.reshape(-1).to(out.dtype))
+        return True
+
     def accumulate_into(self, payload, out):
         """The kept entries added at their positions (distinct within a payload): the gather path's mean costs
         O(W k + n), not W dense decodes. Same values as adding the dense decode (+0.0 elsewhere)."""
