@@ -239,8 +239,9 @@ def fused_versus_reference(rank, world, schemes, steps=5, bad_step=2):
     shapes = [(300, 257), (70001,), (64, 48)]  # fast kernels; uneven chunks (padded last chunk); small
     out = {}
     for scheme in schemes:
-        spec, _, collective = scheme.partition("|")  # "int8|allgather": that collective
-        extra = {"min_numel": 0, **({"collective": collective} if collective else {})}
+        spec, _, option = scheme.partition("|")  # "int8|allgather": that collective; "int8|bf16": bf16 residuals
+        extra = {"min_numel": 0, **({"residual_dtype": torch.bfloat16} if option == "bf16" else
+                                    {"collective": option} if option else {})}
         fused, ref = compressor(spec, **extra), compressor(spec, **extra)
         pf = [nn.Parameter(torch.zeros(s)) for s in shapes]
         pr = [nn.Parameter(torch.zeros(s)) for s in shapes]

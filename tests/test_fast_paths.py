@@ -208,6 +208,25 @@ def equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
         torch.equal(a.isnan(), b.isnan())
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign", "int8:stochastic=true"])
+@pytest.mark.parametrize("alias", ["fresh", "residual"])
+def test_fused_error_feedback_bfloat16_residual(lib, spec, alias):
+    """A bfloat16 residual read and written by the kernel == the reference: y = x + r.float(), the new residual
+    (y - decode).to(bfloat16) (round to nearest even, NaN kept)."""
+    codec = make(spec)
+    x = big_input(seed=7)
+    x[300:305] = float("nan")
+    r = (big_input(seed=8, wide=False) * 0.1).to(torch.bfloat16)
+    ref_out = torch.empty(N, dtype=torch.bfloat16)
+    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), r.clone(), seed=4, out=ref_out)
+    rs = r.clone()
+    out = torch.empty(N, dtype=torch.bfloat16) if alias == "fresh" else rs
+    got = codec.encode_feedback(x.clone(), rs, seed=4, out=out)
+    for a, b in zip(got.tensors, ref.tensors):
+        assert equal_nan(a, b)
+    assert equal_nan(out.float(), ref_out.float()) and ref_out.isnan().any()
+
+
 @pytest.mark.parametrize("spec", FEEDBACK)
 @pytest.mark.parametrize("alias", ["fresh", "x", "residual"])
 @pytest.mark.parametrize("with_residual", [True, False])

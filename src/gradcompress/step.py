@@ -47,6 +47,7 @@ import torch
 
 from . import exchange
 from .codecs.base import Aggregation, Codec, Payload
+from .codecs.fast import RESIDUAL_DTYPES
 from .codecs.lowrank import initial_q, orthonormalize_, product, transposed_product
 from .schedule import codec_at
 from .transforms import Clip, ErrorFeedback, MomentumCorrection
@@ -302,6 +303,14 @@ class Step:
         """The recycled buffer for a new residual shaped like ``like`` (in the residual dtype), or None."""
         return self.compressor.state.take_spare(slot, key, like.shape, self.compressor.residual_dtype, like.device)
 
+    def _new_residual(self, key, like: torch.Tensor) -> torch.Tensor:
+        """The buffer this step's new residual of ``key`` is written into: the one the last commit replaced, or new
+        (``like``'s shape, the residual dtype)."""
+        out = self._spare("residual", key, like)
+        if out is None:
+            out = torch.empty(like.shape, dtype=self.compressor.residual_dtype, device=like.device)
+        return out
+
     def _work(self, name: str, key, like: torch.Tensor) -> torch.Tensor:
         """A persistent scratch buffer of ``like``'s layout for ``key`` (lives across steps, never state)."""
         work = self.compressor.workspace
@@ -428,11 +437,13 @@ class Step:
     def _fuses_feedback(self, aggregation: Aggregation) -> bool:
         """Whether this step's worker error feedback takes the fused path: quantisers and sparsifiers
         (``REQUANTIZE``, ``GATHER``) run it inside the encode (``Codec.encode_feedback``: the residual is
-        added and the new one written in the codec's pass, x + residual is never stored); PowerSGD
-        (``LOWRANK``) computes its new residual in place with one ``addmm_``. Not with momentum masking (it
-        needs the delivered values) nor a residual stored in another dtype: those take the reference path."""
+        added and the new one written in the codec's pass, x + residual is never stored; float32 or
+        bfloat16 residuals in the quantisers' kernel, the reference inside the codec otherwise); PowerSGD
+        (``LOWRANK``) computes its float32 residual in place with one ``addmm_``. Not with momentum masking
+        (it needs the delivered values): that takes the reference path."""
+        dtypes = (torch.float32,) if aggregation is Aggregation.LOWRANK else RESIDUAL_DTYPES
         return (self._ef is not None and aggregation is not Aggregation.SUM
-                and self.compressor.residual_dtype == torch.float32
+                and self.compressor.residual_dtype in dtypes
                 and not (self._momentum is not None and self._momentum.masking))
 
     def _input(self, key, grad: torch.Tensor, private: bool = True, fused: bool = False) -> torch.Tensor:
@@ -641,9 +652,7 @@ class Step:
                 residual = self.old("residual", k)
                 if residual is not None and residual.shape != x.shape:
                     residual = None
-                out = self._spare("residual", k, x)
-                if out is None:
-                    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+                out = self._new_residual(k, x)
                 codec.encode_piece(x, residual, out, c, s, seed)
                 self.put("residual", k, out)
             else:
@@ -694,9 +703,7 @@ class Step:
         residual = self.old("residual", key)
         if residual is not None and residual.shape != x.shape:
             residual = None
-        out = self._spare("residual", key, x)
-        if out is None:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = self._new_residual(key, x)
         xs, outs = x.reshape(-1), out.view(-1)
         rs = None if residual is None else residual.reshape(-1)
         n = xs.numel()
@@ -715,7 +722,7 @@ class Step:
             if rs is not None:
                 rp = torch.zeros(per, dtype=rs.dtype, device=rs.device)
                 rp[: hi - lo] = rs[lo:hi]
-            tmp = torch.empty(per, dtype=torch.float32, device=xs.device)
+            tmp = torch.empty(per, dtype=outs.dtype, device=xs.device)
             payloads.append(codec.encode_feedback(xp, rp, seed=seed, out=tmp))
             outs[lo:hi] = tmp[: hi - lo]
         self.put("residual", key, out)

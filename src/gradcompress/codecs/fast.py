@@ -57,11 +57,13 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 5  # gc_version() of the source this module drives
+_VERSION = 6  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: residual storage the fused error feedback reads and writes
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 _override: bool | None = None
 _lib = None
@@ -220,7 +222,7 @@ def _declare(lib) -> None:
     sigs = {
         "gc_version": (c_int, []),
         "gc_quantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_p, c_int,
-                                c_int, c_int, c_f, c_u64, c_int]),
+                                c_int, c_int, c_f, c_u64, c_int, c_int]),
         "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_int, c_p, c_int]),
         "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
@@ -330,7 +332,8 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
 
     Fused error feedback: with ``residual`` (float32, x's size) the codes are those of
     ``x + residual``; ``residual_out`` (float32, x's size; may be x or residual itself)
-    receives ``(x + residual) - decode(codes)`` in the same pass, the decode being
+    receives ``(x + residual) - decode(codes)`` in the same pass (both residuals float32, or both
+    bfloat16: read exactly, written rounded to nearest even as ``.to(torch.bfloat16)``), the decode being
     :func:`dequantize` with ``decoding = (signed, mul, offset, div)``. ``codes_out`` /
     ``scale_out``: write into these (contiguous, of the sizes above) instead of new tensors.
     ``index0``: element i draws the noise of index ``index0 + i`` of the seed's stream (a piece of a
@@ -347,14 +350,17 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
             or scale.numel() != nb or scale.dtype != torch.float32 or not scale.is_contiguous()):
         raise ValueError("fast.quantize: codes_out / scale_out do not have the payload's layout")
     key = stream_key(seed or 0, _SALT_NOISE)
+    res_dtypes = {t.dtype for t in (residual, residual_out) if t is not None}
     for t in (residual, residual_out):
-        if t is not None and (t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous()):
-            raise ValueError("fast.quantize: the residuals must be contiguous float32 of x's size")
+        if t is not None and (t.dtype not in RESIDUAL_DTYPES or t.numel() != n or not t.is_contiguous()
+                              or len(res_dtypes) > 1):
+            raise ValueError("fast.quantize: the residuals must be contiguous, of x's size, both float32 or both "
+                             "bfloat16")
     is_signed, mul, offset, div = decoding
     rc = lib.gc_quantize(_ptr(x), None if residual is None else _ptr(residual), n, bucket, kind, bits, qmax,
                          int(stochastic), key, _ptr(codes), _ptr(scale),
                          None if residual_out is None else _ptr(residual_out), int(is_signed), mul, offset,
-                         float(div), int(index0), _threads(n))
+                         float(div), int(index0), int(torch.bfloat16 in res_dtypes), _threads(n))
     if rc:
         raise ValueError(f"fast.quantize: unsupported bits={bits}, bucket={bucket}")
     return codes, scale

@@ -94,6 +94,14 @@ def packed_nbytes(numel: int, bits: int, bucket: int) -> int:
     return codes + 4 * -(-numel // bucket)
 
 
+def _kernel_residuals(residual: torch.Tensor | None, out: torch.Tensor | None) -> bool:
+    """Whether the kernel's fused error feedback reads ``residual`` and writes ``out`` as they are: contiguous,
+    both float32 or both bfloat16 (either may be None)."""
+    given = [t for t in (residual, out) if t is not None]
+    return (all(t.is_contiguous() and t.dtype in fast.RESIDUAL_DTYPES for t in given)
+            and len({t.dtype for t in given}) <= 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucketed(Codec):
     """The fused CPU paths every bucketed quantiser shares (one float32 scale per ``bucket``, one code per element).
@@ -142,8 +150,7 @@ class Bucketed(Codec):
         kernel = self.kernel()
         if (kernel is not None and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
                 and flat.numel() < 2**31 and fast.enabled() and fast.library() is not None
-                and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-                and (out is None or (out.dtype == torch.float32 and out.is_contiguous()))):
+                and _kernel_residuals(residual, out)):
             self._fast_encode(flat, seed, None if residual is None else residual.reshape(-1),
                               None if out is None else out.view(-1), codes, scales, offset)
             return
@@ -195,11 +202,10 @@ class Bucketed(Codec):
     def encode_feedback(self, x, residual, *, seed=None, out):
         kernel = self.kernel()
         flat = x.reshape(-1)
-        ok = (kernel is not None and x.dtype == torch.float32 and flat.is_contiguous() and out.is_contiguous()
-              and out.dtype == torch.float32 and out.numel() == flat.numel()
-              and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
-                                        and residual.numel() == flat.numel()))
-              and (kernel[1] == 8 or self.bucket % 8 == 0) and fast.applies(flat))
+        ok = (kernel is not None and x.dtype == torch.float32 and flat.is_contiguous()
+              and out.numel() == flat.numel() and (residual is None or residual.numel() == flat.numel())
+              and _kernel_residuals(residual, out) and (kernel[1] == 8 or self.bucket % 8 == 0)
+              and fast.applies(flat))
         if not ok:
             return super().encode_feedback(x, residual, seed=seed, out=out)
         if seed is None and self.stochastic:

@@ -278,12 +278,28 @@ struct Decode {
   float div;
 };
 
+// Residual storage: float32, or bfloat16 (the upper 16 bits of a float32; stored rounded to nearest even, NaN as
+// 0x7FC0, as torch's float -> bfloat16 conversion does).
+inline float load_res(const float* r, int64_t i) { return r[i]; }
+inline float load_res(const uint16_t* r, int64_t i) {
+  const uint32_t u = uint32_t(r[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store_res(float* r, int64_t i, float v) { r[i] = v; }
+inline void store_res(uint16_t* r, int64_t i, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  r[i] = std::isnan(v) ? uint16_t(0x7FC0) : uint16_t((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
 // Codes and scales of x + r (r may be null: x alone). With rout (error feedback fused into the encode):
 // rout = (x + r) - decode(codes), element by element, in the same pass; x + r is never materialised
 // beyond one bucket. rout may alias x or r (each bucket is read whole before any of it is written).
-template <int BITS>
-void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
-                   uint8_t* codes, float* scale, float* rout, uint64_t index0, int nthreads) {
+template <int BITS, class R>
+void quantize_impl(const float* x, const R* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
+                   uint8_t* codes, float* scale, R* rout, uint64_t index0, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
@@ -295,8 +311,8 @@ void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, co
       if (r) {
         float* __restrict t = sum.data();
         const float* __restrict xs = x + start;
-        const float* __restrict rs = r + start;
-        for (int64_t j = 0; j < len; ++j) t[j] = xs[j] + rs[j];
+        const R* __restrict rs = r + start;
+        for (int64_t j = 0; j < len; ++j) t[j] = xs[j] + load_res(rs, j);
         y = t;
       }
       const float s = bucket_scale(y, len, p);
@@ -307,12 +323,12 @@ void quantize_impl(const float* x, const float* r, int64_t n, int64_t bucket, co
         block_codes(y + o, l, index0 + uint64_t(start + o), s, p, c);
         pack_block<BITS>(c, l, codes + (start + o) * BITS / 8);  // start + o is a multiple of 8 when BITS < 8
         if (!rout) continue;
-        float* ro = rout + start + o;
+        R* ro = rout + start + o;
         const float* yo = y + o;
         if (BITS == 8 && d.is_signed) {
-          for (int64_t j = 0; j < l; ++j) ro[j] = yo[j] - float(int8_t(c[j])) * sd;
+          for (int64_t j = 0; j < l; ++j) store_res(ro, j, yo[j] - float(int8_t(c[j])) * sd);
         } else {
-          for (int64_t j = 0; j < l; ++j) ro[j] = yo[j] - float(int(c[j]) * mul - offset) * sd;
+          for (int64_t j = 0; j < l; ++j) store_res(ro, j, yo[j] - float(int(c[j]) * mul - offset) * sd);
         }
       }
     }
@@ -420,7 +436,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 5; }
+GC_API int gc_version() { return 6; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
@@ -436,18 +452,28 @@ GC_API int gc_version() { return 5; }
 
 // codes: int8 (bits 8, UNIFORM), uint8 otherwise, packed to ceil(n * bits / 8) bytes (bits < 8 needs bucket % 8 == 0).
 // Encodes x + r (r may be null); rout (may be null) receives (x + r) - decode(codes), decoded as gc_dequantize does
-// with (is_signed, mul, offset, div). Element i draws the noise of index index0 + i (a piece of a longer tensor
-// draws what the whole tensor would).
-GC_API int gc_quantize(const float* x, const float* r, int64_t n, int64_t bucket, int kind, int bits, int qmax,
-                       int stochastic, uint64_t key, void* codes, float* scale, float* rout, int is_signed, int mul,
-                       int offset, float div, uint64_t index0, int nthreads) {
+// with (is_signed, mul, offset, div); r and rout hold float32, or bfloat16 when res_bf16. Element i draws the noise
+// of index index0 + i (a piece of a longer tensor draws what the whole tensor would).
+GC_API int gc_quantize(const float* x, const void* r, int64_t n, int64_t bucket, int kind, int bits, int qmax,
+                       int stochastic, uint64_t key, void* codes, float* scale, void* rout, int is_signed, int mul,
+                       int offset, float div, uint64_t index0, int res_bf16, int nthreads) {
   if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
   const QParams p{kind, bits, qmax, stochastic, key};
   const Decode d{is_signed, mul, offset, div};
   uint8_t* c = static_cast<uint8_t*>(codes);
-#define GC_Q(B) quantize_impl<B>(x, r, n, bucket, p, d, c, scale, rout, index0, nthreads)
-  GC_BITS_SWITCH(GC_Q)
+  if (res_bf16) {
+    const uint16_t* rr = static_cast<const uint16_t*>(r);
+    uint16_t* ro = static_cast<uint16_t*>(rout);
+#define GC_Q(B) quantize_impl<B, uint16_t>(x, rr, n, bucket, p, d, c, scale, ro, index0, nthreads)
+    GC_BITS_SWITCH(GC_Q)
 #undef GC_Q
+  } else {
+    const float* rr = static_cast<const float*>(r);
+    float* ro = static_cast<float*>(rout);
+#define GC_Q(B) quantize_impl<B, float>(x, rr, n, bucket, p, d, c, scale, ro, index0, nthreads)
+    GC_BITS_SWITCH(GC_Q)
+#undef GC_Q
+  }
   return 0;
 }
 
