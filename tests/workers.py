@@ -317,3 +317,23 @@ def compressor_as_hook(rank, world, spec):
             nn.functional.cross_entropy(ddp(x), y).backward()
         results.append([p.grad.clone() for p in model.parameters()])
     return results
+
+
+def overlap_pair(rank, world, specs):
+    """Per spec: whether DDP with many buckets gives bit for bit the same gradients with ``overlap`` on and off,
+    and how many buckets the model had."""
+    out = {}
+    for spec in specs:
+        on = ddp_steps(rank, world, spec, 3, 0.005, {"min_numel": 256, "overlap": True})
+        off = ddp_steps(rank, world, spec, 3, 0.005, {"min_numel": 256, "overlap": False})
+        out[spec] = all(torch.equal(x, y) for a, b in zip(on["grads"], off["grads"]) for x, y in zip(a, b))
+    return out
+
+
+def overlap_mismatch(rank, world):
+    """Rank 0 overlaps, the others do not: the first step must fail on every rank, naming the setting."""
+    try:
+        ddp_steps(rank, world, "int8", 1, 0.005, {"min_numel": 256, "overlap": rank == 0})
+    except RuntimeError as err:
+        return str(err)
+    return None

@@ -85,12 +85,19 @@ class Compressor:
             gives the relative error ||compressed - exact|| / ||exact|| and the cosine, overall
             and per parameter key, the residual norm (error feedback) and a short history.
             The DDP hook and ``synchronize``; N = 100 costs about 1 % more bytes.
+        overlap: with the DDP hook, each bucket's launch also advances every earlier bucket by one
+            round of collectives (in a fixed order, the same on every rank), so the two-step
+            reduce's second round and PowerSGD's Q round travel during the backward pass instead
+            of after it. Default ``False``: only each bucket's first round overlaps the backward
+            pass — advancing blocks the backward thread on the earlier round, and on the netbench
+            testbed (4 hosts, 2 cores) it did not pay (BENCHMARKS.md). Results are the same either
+            way; every rank must use the same setting (checked).
     """
 
     def __init__(self, spec, *, process_group=None, error_feedback="auto", server_error_feedback: bool = False,
                  momentum: float = 0.0, warmup_steps: int = 0, min_numel: int = 1024, seed: int = 0,
                  collective: str = "auto", schedule: str | None = None, ramp_steps: int = 0,
-                 residual_dtype: torch.dtype = torch.float32, monitor_every: int = 0):
+                 residual_dtype: torch.dtype = torch.float32, monitor_every: int = 0, overlap: bool = False):
         self.codec = make(spec)
         if collective not in COLLECTIVES:
             raise ValueError(f"Compressor: collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
@@ -98,6 +105,8 @@ class Compressor:
             raise ValueError(f"Compressor: schedule must be None or 'exp', got {schedule!r}")
         _check_bool("error_feedback", error_feedback, auto=True)
         _check_bool("server_error_feedback", server_error_feedback)
+        _check_bool("overlap", overlap)
+        self.overlap = overlap
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"Compressor: momentum must be a number in [0, 1), got {momentum!r}")
         if residual_dtype not in RESIDUAL_DTYPES:
@@ -187,7 +196,7 @@ class Compressor:
             else:
                 self._comm = exchange.Collectives(group)
         if not self._checked:
-            self._comm.check_same(self.config(), "gradcompress")
+            self._comm.check_same(f"{self.config()} overlap={self.overlap}", "gradcompress")
             self._checked = True
         self.current_step = Step(self, self._comm, self._close_step)
         return self.current_step

@@ -144,6 +144,7 @@ class Scheme:
     kind: str  # "ddp", "torch-fp16", "torch-powersgd" or "ours"
     codec: object = None  # ours: the codec
     rank: int = 1  # torch-powersgd: matrix_approximation_rank
+    options: tuple = ()  # ours: Compressor options given in the scheme (``int8:overlap=false``), as (name, value)
 
     @property
     def label(self) -> str:
@@ -167,7 +168,10 @@ def parse_scheme(text: str) -> Scheme:
         if opts or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"torch-powersgd takes one option, rank (an integer >= 1), got {text!r}")
         return Scheme(text, "torch-powersgd", rank=rank)
-    return Scheme(text, "ours", codec=make(text))
+    from .cli.task import split_scheme  # Compressor options in the scheme, as demo and train read them
+
+    codec, options = split_scheme(text)
+    return Scheme(text, "ours", codec=codec, options=tuple(sorted(options.items())))
 
 
 def numel_of(shape: Sequence[int]) -> int:

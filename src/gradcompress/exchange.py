@@ -234,6 +234,35 @@ def start(job: Job) -> Job:
     return resumed()
 
 
+class Running:
+    """A job launched with :func:`start`: the works of its current round are in flight.
+
+    :meth:`advance` waits for them and runs the job to its next round (whose collectives are then
+    in flight); :meth:`rest` is a job that continues from wherever it stands.
+    """
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.works = next(job, None)
+
+    def advance(self, comm: "Collectives") -> None:
+        if self.works is None:
+            return
+        comm.wait(self.works)
+        try:
+            self.works = self.job.send(None)
+        except StopIteration:
+            self.works = None
+
+    def rest(self) -> Job:
+        while self.works is not None:
+            yield self.works
+            try:
+                self.works = self.job.send(None)
+            except StopIteration:
+                self.works = None
+
+
 # --------------------------------------------------------------------- exchange rounds
 Encoder = Callable[[torch.Tensor, int], Payload]
 
@@ -504,7 +533,8 @@ def split_chunks(flat: torch.Tensor, world: int, block: int = CHUNK_BLOCK) -> li
     return list(flat.view(world, per))
 
 
-__all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "drive", "parallel", "start",
+__all__ = ["Aggregation", "CHUNK_BLOCK", "Collectives", "Done", "LocalCollectives", "Running", "drive", "parallel",
+           "start",
            "dense_mean", "sum_mean", "gather_mean", "two_step_mean", "bucketed_two_step_mean",
            "fills_buckets", "whole_group_elements", "reduce_scatter_sum", "split_chunks", "chunk_numel", "to_bytes",
            "from_bytes"]

@@ -248,13 +248,23 @@ class Step:
 
     def launch(self, job: exchange.Job, done: Callable[[BaseException | None], None] | None = None) -> None:
         """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
-        (or ``done(error)`` if the step failed)."""
-        self._launched.append((exchange.start(job), done))
+        (or ``done(error)`` if the step failed).
+
+        With the compressor's ``overlap`` (off by default), every job launched before this one is then advanced
+        by one round: it waits for its works in flight and issues its next round, so later rounds of
+        earlier buckets travel while the backward pass still produces later buckets. The order is fixed
+        (each launch: the new job's first round, then each earlier job's next round, in launch order), the
+        same on every rank, so it stays deadlock-free on gloo and NCCL."""
+        running = exchange.Running(exchange.start(job))
+        if self.compressor.overlap:
+            for earlier, _ in self._launched:
+                earlier.advance(self.comm)
+        self._launched.append((running, done))
 
     def finish(self) -> bool:
         """Drive every launched job, end the step, then call each ``done``. Returns :meth:`end`'s result."""
         try:
-            self.drive([job for job, _ in self._launched])
+            self.drive([running.rest() for running, _ in self._launched])
             committed = self.end()
         except BaseException as err:
             self.abort(err)

@@ -654,7 +654,8 @@ def _worker(cfg: dict) -> None:
                                                 start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif scheme.kind == "ours":
-            comp = gradcompress.Compressor(text, warmup_steps=COMPRESSOR_WARMUP, error_feedback=ef, seed=0)
+            comp = gradcompress.Compressor(scheme.codec, **{"warmup_steps": COMPRESSOR_WARMUP, "error_feedback": ef,
+                                                            "seed": 0, **dict(scheme.options)})
             comp.register(ddp)
         if opt is None:
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)

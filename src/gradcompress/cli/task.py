@@ -47,7 +47,8 @@ IN_FEATURES, CLASSES = 64, 10
 RUN_OPTIONS = ("diloco", "compressed_adam")
 TASK_NAMES = ("digits", "lm")
 #: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
-COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps")
+COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps",
+                      "overlap")
 
 
 @dataclasses.dataclass
