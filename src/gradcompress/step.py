@@ -367,9 +367,10 @@ class Step:
                 for k, g in zip(keys, grads):
                     self._with_momentum(k, g)
             if buffer is None and not self.monitoring:  # large contiguous tensors are all-reduced where they lie
-                big = [g for g in grads if g.numel() >= IN_PLACE_NUMEL and g.is_contiguous()]
+                where = [g.numel() >= IN_PLACE_NUMEL and g.is_contiguous() for g in grads]
+                big = [g for g, w in zip(grads, where) if w]
                 if big:
-                    rest = [g for g in grads if not (g.numel() >= IN_PLACE_NUMEL and g.is_contiguous())]
+                    rest = [g for g, w in zip(grads, where) if not w]
                     flat = torch.cat([g.reshape(-1) for g in rest]) if rest else None
                     parts = big + ([flat] if flat is not None else [])
                     yield from exchange.parallel([exchange.dense_mean(comm, t) for t in parts])
@@ -511,9 +512,7 @@ class Step:
         stays the path for masked momentum and residuals in another dtype)."""
         if not self._fuses_feedback(Aggregation.LOWRANK) or sent.dtype != torch.float32:
             return self._delivered(key, sent, lambda: a @ b.T)
-        out = sent if self._owned.get(key) is sent else self._spare("residual", key, sent)
-        if out is None:
-            out = torch.empty_like(sent, memory_format=torch.contiguous_format)
+        out = sent if self._owned.get(key) is sent else self._new_residual(key, sent)
         if out is not sent:
             out.copy_(sent)
         out.view(a.shape[0], b.shape[0]).addmm_(a, b.T, alpha=-1)
