@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import gradcompress
+from gradcompress.codecs import fast
 from gradcompress import make
 from gradcompress.codecs import quantize
 
@@ -318,6 +319,32 @@ def test_randomk_positions_come_from_the_seed(n, ratio, seed):
     assert int((ya != 0).sum()) == k
     assert torch.equal(ya != 0, yb != 0)  # same seed, same positions, whatever the values
     assert torch.equal(ya[ya != 0], a[ya != 0])
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (3, 3), (1000, 10), (4097, 4097), (65536, 655), (300_001, 150_000)])
+@pytest.mark.parametrize("seed", [0, 2**62 + 5])
+def test_randomk_positions_kernel_equals_the_torch_reference(n, k, seed):
+    """Every rank and device must draw the same positions: the C++ kernel and the torch integer path agree."""
+    with fast.use(False):
+        ref = fast.random_positions(n, k, seed)
+    assert ref.dtype == torch.int64 and ref.numel() == k
+    assert ref.unique().numel() == k and int(ref.min()) >= 0 and int(ref.max()) < n
+    if fast.available():
+        assert torch.equal(fast.random_positions(n, k, seed), ref)
+
+
+def test_randomk_positions_are_uniform_and_pairwise_independent():
+    """Over seeds, every position is kept with probability k/n and every pair with k(k-1)/(n(n-1)), as for a
+    uniformly random k-subset (an arithmetic progression of positions has the first and fails the second)."""
+    n, k, trials = 64, 16, 4000
+    hits = torch.zeros(trials, n)
+    for s in range(trials):
+        hits[s, fast.random_positions(n, k, s)] = 1
+    p1, p2 = k / n, k * (k - 1) / (n * (n - 1))
+    single = hits.mean(0)
+    assert (single - p1).abs().max() <= 5 * math.sqrt(p1 * (1 - p1) / trials)
+    pairs = (hits.T @ hits / trials)[torch.triu_indices(n, n, 1).unbind()]
+    assert (pairs - p2).abs().max() <= 6 * math.sqrt(p2 * (1 - p2) / trials)
 
 
 # --------------------------------------------------------------------------- PowerSGD

@@ -17,8 +17,10 @@ the biased codecs, off for ``none``, ``fp16`` and the unbiased ``qsgd``/``terngr
   with momentum correction in the compressor and SGD without momentum: error-fed sign
   under heavy optimizer momentum is unstable, compressing the momentum is not;
 * ``topk:ratio=0.01``                   1 % of the values + their int32 positions, error feedback;
-* ``randomk:ratio=0.25,scale=false``    a quarter of the values at shared random positions,
-  not rescaled (a contraction, so error feedback applies);
+* ``randomk:ratio=0.25,scale=false,momentum=0.9``  a quarter of the values at shared random
+  positions, not rescaled (a contraction, so error feedback applies), with momentum correction
+  and SGD without momentum: error-fed random-k under optimizer momentum 0.9 collapsed on some
+  seeds (BENCHMARKS.md, "random-k");
 * ``dgc:ratio=0.01``                    Deep Gradient Compression (sampled top-k, its own momentum
   correction and factor masking in the compressor), SGD without momentum;
 * ``powersgd:rank=2``                   rank-2 PowerSGD with warm-started Q, error feedback;
@@ -55,7 +57,7 @@ DEFAULT_SCHEMES = (
     "terngrad",
     "sign:momentum=0.9",
     "topk:ratio=0.01",
-    "randomk:ratio=0.25,scale=false",
+    "randomk:ratio=0.25,scale=false,momentum=0.9",
     "dgc:ratio=0.01",
     "powersgd:rank=2",
     "topk:ratio=0.01,values=int8",

@@ -57,7 +57,7 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 6  # gc_version() of the source this module drives
+_VERSION = 7  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
@@ -234,6 +234,7 @@ def _declare(lib) -> None:
         "gc_collected_free": (None, [c_p]),
         "gc_collected_finish": (None, [c_p, c_p]),
         "gc_select_top": (c_i64, [c_p, c_p, c_i64, c_i64, c_p]),
+        "gc_random_positions": (c_int, [c_i64, c_i64, c_u64, c_p, c_int]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -472,6 +473,62 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
                 return select_top(x, cand, k)
             del cand
     return select_top(x, None, k)
+
+
+_SALT_RANDOMK = 4
+_RANDK_ROUNDS = 6  # RANDK_ROUNDS of the kernel
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """_mix64 on int64 tensors (two's complement wrap-around; shifts made logical by masking)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _signed64(0x94D049BB133111EB)
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _random_positions_torch(n: int, k: int, key: int, device) -> torch.Tensor:
+    """gc_random_positions in torch integer operations (any device; the same values)."""
+    b = max(1, (n - 1).bit_length())
+    lo = b // 2
+    mlo, mhi = (1 << lo) - 1, (1 << (b - lo)) - 1
+    keys = [_signed64(_mix64(key + (r + 1) * _GOLDEN)) for r in range(_RANDK_ROUNDS)]
+    found, have, start = [], 0, 0
+    chunk = max(1024, -(-k * (1 << b) // n) * 9 // 8)
+    while have < k:
+        i = torch.arange(start, start + chunk, dtype=torch.int64, device=device)
+        hi, low = i >> lo, i & mlo
+        for r in range(0, _RANDK_ROUNDS, 2):
+            low = low ^ (_mix64_tensor(hi + keys[r]) & mlo)
+            hi = hi ^ (_mix64_tensor(low + keys[r + 1]) & mhi)
+        p = (hi << lo) | low
+        p = p[p < n]
+        found.append(p)
+        have += p.numel()
+        start += chunk
+    return torch.cat(found)[:k]
+
+
+def random_positions(n: int, k: int, seed: int, device=None) -> torch.Tensor:
+    """k distinct int64 positions in [0, n) drawn from ``seed``, the same on every machine and device.
+
+    The first k values below n of a keyed pseudo-random permutation of [0, 2^b), 2^b the least
+    power of two >= n (a 6-round Feistel network whose round function is SplitMix64's mix),
+    applied to 0, 1, 2, ...: about 2k hashes, O(k) memory, no O(n) ``randperm``.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"random_positions: need 0 <= k <= n, got k={k}, n={n}")
+    key = stream_key(seed, _SALT_RANDOMK)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cpu" and enabled() and library() is not None:
+        out = torch.empty(k, dtype=torch.int64)
+        if k and library().gc_random_positions(n, k, key, _ptr(out), _threads(k)) < 0:
+            raise MemoryError("fast.random_positions: out of memory")
+        return out
+    return _random_positions_torch(n, k, key, device)
 
 
 def dgc_indices(x: torch.Tensor, k: int, m: int, kth: int, seed: int) -> torch.Tensor:

@@ -211,6 +211,8 @@ class RandomK(Codec):
 
     Every rank must encode with the same seed (the exchange does this), so payloads
     add up and one all-reduce suffices. ``scale=true`` multiplies by n/k: unbiased.
+    The positions are the first k of a keyed pseudo-random permutation (a Feistel network
+    over the index, :func:`fast.random_positions`): O(k) work, identical on every device.
     """
 
     ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
@@ -230,7 +232,7 @@ class RandomK(Codec):
         k = kept_count(self.ratio, n)
         if k == n:
             return torch.arange(n, device=device)
-        return torch.randperm(n, generator=generator(seed, device), device=device)[:k]
+        return fast.random_positions(n, k, seed, device)
 
     def _encode(self, flat, seed):
         vals = flat[self.positions(flat.numel(), seed, flat.device)]

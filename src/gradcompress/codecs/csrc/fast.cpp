@@ -436,7 +436,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 6; }
+GC_API int gc_version() { return 7; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
@@ -606,4 +606,70 @@ GC_API int64_t gc_select_top(const float* x, const int32_t* cand, int64_t c, int
   } catch (const std::bad_alloc&) {
     return -1;
   }
+}
+
+// ----------------------------------------------------------------------------- random-k positions
+// A keyed pseudo-random permutation of [0, 2^b): the index's high and low halves are each
+// XOR-ed RANDK_ROUNDS / 2 times with a hash (SplitMix64's mix of a round key plus the other
+// half), alternately, every round a bijection (a Feistel network with unequal halves).
+constexpr int RANDK_ROUNDS = 6;
+
+struct Feistel {
+  int lo;
+  uint64_t mlo, mhi;
+  uint64_t keys[RANDK_ROUNDS];
+  Feistel(int b, uint64_t key) : lo(b / 2), mlo((uint64_t(1) << (b / 2)) - 1), mhi((uint64_t(1) << (b - b / 2)) - 1) {
+    for (int r = 0; r < RANDK_ROUNDS; ++r) keys[r] = mix64(key + uint64_t(r + 1) * GOLDEN);
+  }
+  inline uint64_t operator()(uint64_t i) const {
+    uint64_t hi = i >> lo, low = i & mlo;
+    for (int r = 0; r < RANDK_ROUNDS; r += 2) {
+      low ^= mix64(keys[r] + hi) & mlo;
+      hi ^= mix64(keys[r + 1] + low) & mhi;
+    }
+    return (hi << lo) | low;
+  }
+};
+
+// out[0..k) = the first k values below n of the permutation of [0, 2^b) (2^b the least power
+// of two >= n, b >= 1) applied to 0, 1, 2, ...: k distinct positions, about 2^b / n * k
+// evaluations, done in rounds of ranges split over the threads (kept in order).
+GC_API int gc_random_positions(int64_t n, int64_t k, uint64_t key, int64_t* out, int nthreads) {
+  int b = 1;
+  while ((int64_t(1) << b) < n) ++b;
+  const Feistel perm(b, key);
+  int64_t w = 0;
+  uint64_t start = 0;
+  try {
+    while (w < k) {
+      const int64_t need = k - w;
+      const int64_t span = int64_t((static_cast<unsigned __int128>(need) << b) / uint64_t(n)) + need / 64 + 1024;
+      const int t = int(std::max<int64_t>(1, std::min<int64_t>(nthreads < 1 ? 1 : nthreads, span / 65536 + 1)));
+      std::vector<std::vector<int64_t>> got(t);
+      parallel_for(span, t, [&](int64_t lo, int64_t hi, int i) {
+        std::vector<int64_t>& g = got[i];
+        g.resize(size_t(hi - lo));
+        int64_t c = 0;
+        uint64_t p[BLOCK];
+        for (int64_t j0 = lo; j0 < hi; j0 += BLOCK) {
+          const int64_t len = std::min<int64_t>(BLOCK, hi - j0);
+          for (int64_t j = 0; j < len; ++j) p[j] = perm(start + uint64_t(j0 + j));  // vectorised
+          for (int64_t j = 0; j < len; ++j) {
+            g[c] = int64_t(p[j]);
+            c += p[j] < uint64_t(n);
+          }
+        }
+        g.resize(size_t(c));
+      });
+      for (auto& g : got) {
+        const int64_t c = std::min<int64_t>(int64_t(g.size()), k - w);
+        std::memcpy(out + w, g.data(), size_t(c) * 8);
+        w += c;
+      }
+      start += uint64_t(span);
+    }
+  } catch (const std::bad_alloc&) {
+    return -1;
+  }
+  return 0;
 }
