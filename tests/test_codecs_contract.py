@@ -403,3 +403,23 @@ def test_accumulate_gathered_is_adding_each_rank_in_turn(n, ratio):
         codec.accumulate_into(p, want)
     assert torch.equal(got, want)
     assert not make("topk:values=int8").accumulate_gathered(payloads[0], parts, got)  # per rank instead
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_cast_mean_part_is_the_encode_of_the_mean(spec, dtype, world):
+    """encode_mean_part (pieces divided in cache, then cast) sends exactly encode(x / world), with or without a
+    caller's buffer, over several pieces and a partial last one, through overflow and NaN."""
+    codec = make(spec)
+    n = 3 * (1 << 16) + 123
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(world)) * 3e4).to(dtype)
+    x[5], x[n - 1], x[70_000] = float("nan"), float("inf"), 2e5  # 2e5 / world overflows float16
+    want = codec.encode(x / world).tensors[0]
+    got = codec.encode_mean_part(x, world).tensors[0]
+    assert got.dtype == want.dtype and torch.equal(got.view(-1).float().nan_to_num(7.0),
+                                                   want.view(-1).float().nan_to_num(7.0))
+    buf = torch.full((n + 10,), 1.0, dtype=codec.mean_part_dtype(x))
+    p = codec.encode_mean_part(x, world, out=buf[5 : 5 + n])
+    assert p.tensors[0].data_ptr() == buf[5:].data_ptr() and bool((buf[:5] == 1).all() and (buf[5 + n :] == 1).all())
+    assert torch.equal(p.tensors[0].float().nan_to_num(7.0), want.view(-1).float().nan_to_num(7.0))

@@ -18,6 +18,9 @@ from ..spec import register
 from .base import Aggregation, Codec, Payload, check_input
 
 
+_PIECE = 1 << 16  # elements divided at a time on CPU (256 KB of float32: stays in cache)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cast(Codec):
     aggregation = Aggregation.SUM
@@ -43,7 +46,13 @@ class _Cast(Codec):
         flat = x.reshape(-1)
         if out is None:
             out = torch.empty(flat.numel(), dtype=self.mean_part_dtype(x), device=x.device)
-        torch.div(flat, world, out=out)
+        if out.dtype == flat.dtype or flat.device.type != "cpu":
+            torch.div(flat, world, out=out)
+        else:  # torch's mixed-dtype div(out=) is unvectorised on CPU (5x slower): divide cache-sized pieces, then cast
+            tmp = torch.empty(min(flat.numel(), _PIECE), dtype=flat.dtype)
+            for lo in range(0, flat.numel(), _PIECE):
+                hi = min(flat.numel(), lo + _PIECE)
+                out[lo:hi].copy_(torch.div(flat[lo:hi], world, out=tmp[: hi - lo]))
         return Payload((out,), x.shape, x.dtype, seed, x.device)
 
     def decode_into(self, payload, out):
