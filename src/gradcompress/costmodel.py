@@ -274,8 +274,8 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
     dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
     agg = codec.aggregation.value
     # the finiteness flag travels with the dense tensors; without them only for codecs whose received data
-    # cannot carry a NaN/Inf (gradcompress.step: random-k, PowerSGD)
-    rides = codec.preserves_nonfinite and agg != "lowrank"
+    # cannot carry a NaN/Inf (gradcompress.step: random-k)
+    rides = codec.preserves_nonfinite
     dense_bytes = FLOAT_BYTES * (dense + 1) if dense or not rides or not comp else 0
     dense_sent = allreduce_bytes(dense_bytes, W)
     if not comp:

@@ -408,9 +408,10 @@ class Step:
         device = grads[0].device if grads else None
         # codecs that carry a NaN/Inf through to what every rank receives are checked there instead of on the
         # inputs: the casts on the summed buffer, the quantisers and sparsifiers on the received payloads'
-        # scales or values (a few floats per bucket); no pass over the inputs, no flag round when nothing
-        # travels dense
-        ride = codec.preserves_nonfinite and aggregation is not Aggregation.LOWRANK
+        # scales or values (a few floats per bucket), PowerSGD on the summed first factor (a NaN/Inf in a row of
+        # M makes that row of P = M Q NaN/Inf under IEEE arithmetic, Inf * 0 included); no pass over the inputs,
+        # no flag round when nothing travels dense
+        ride = codec.preserves_nonfinite
         ok = ([] if ride else [all_finite(x) for x in inputs]) + [all_finite(g) for _, g in dense]
         flag = torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
         dtype = grads[0].dtype if grads else torch.float32
@@ -565,7 +566,7 @@ class Step:
                 jobs.append(self._chunked_job(codec, *parts[3:], check_sum))
             yield from exchange.parallel(jobs)
         else:
-            yield from self._lowrank_job(codec, keys, inputs, outs)
+            yield from self._lowrank_job(codec, keys, inputs, outs, check_sum)
 
     def _monitor_mean(self, flat: torch.Tensor) -> exchange.Job:
         yield [self.comm.all_reduce(flat, monitor=True)]
@@ -763,13 +764,14 @@ class Step:
             cur = orthonormalize_(fresh) if salt else fresh
         return cur
 
-    def _lowrank_job(self, codec, keys, inputs, outs) -> exchange.Job:
+    def _lowrank_job(self, codec, keys, inputs, outs, check: bool = False) -> exchange.Job:
         """PowerSGD (Vogels et al. 2019), all matrices of the group batched into one all-reduce per round.
 
         Default: P = M Q; all-reduce P; orthonormalise; Q = M^T P; all-reduce Q; result
         P Q^T; Q warm-starts the next step. ``alternate=true``: one all-reduce per step,
         even steps reduce P = M Q_hat (result P Q_hat^T), odd steps Q = M^T P_hat (result
-        P_hat Q^T), the reduced factor orthonormalised becomes the next step's basis.
+        P_hat Q^T), the reduced factor orthonormalised becomes the next step's basis. ``check``: the step's
+        finiteness is read from the first all-reduced factor (every rank holds it).
         """
         comm, world = self.comm, self.comm.world
         mats = []
@@ -782,6 +784,8 @@ class Step:
             qs = [self._basis("q", k, m.shape[1], r, dev, 0) for k, m, r in zip(keys, mats, rank_of)]
             ps = torch.cat([product(m, q).reshape(-1) for m, q in zip(mats, qs)])
             yield [comm.all_reduce(ps)]
+            if check:
+                self.check(all_finite(ps))
             p_hat = [orthonormalize_(p) for p in _split(ps, [(m.shape[0], r) for m, r in zip(mats, rank_of)])]
             q_local = [transposed_product(m, p) for m, p in zip(mats, p_hat)]
             for k, x, p, q in zip(keys, inputs, p_hat, q_local):
@@ -801,6 +805,8 @@ class Step:
             self._delivered_product(k, x, f, b) if p_step else self._delivered_product(k, x, b, f)
         flat = torch.cat([f.reshape(-1) for f in local])
         yield [comm.all_reduce(flat)]
+        if check:
+            self.check(all_finite(flat))
         flat.div_(world)
         for k, b, f, out in zip(keys, bases, _split(flat, [f.shape for f in local]), outs):
             if p_step:

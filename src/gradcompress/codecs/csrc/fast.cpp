@@ -382,13 +382,18 @@ void collect_range(const float* x, int64_t b, int64_t e, uint32_t tkey, std::vec
   for (int64_t o = b; o < e; o += W) {
     const int64_t l = std::min(W, e - o);
     const float* xs = x + o;
-    int64_t cnt = 0;
-    for (int64_t j = 0; j < l; ++j) cnt += abs_key(xs[j]) >= tkey;
+    int32_t cnt = 0;  // keys and tkey are below 2^31: a signed compare, which SSE2 vectorises
+    for (int64_t j = 0; j < l; ++j) cnt += int32_t(abs_key(xs[j])) >= int32_t(tkey);
     if (!cnt) continue;
     int64_t w = 0;
-    for (int64_t j = 0; j < l; ++j) {
-      tmp[w] = int32_t(o + j);
-      w += abs_key(xs[j]) >= tkey;
+    if (cnt * 16 < l) {  // sparse block (top-k's usual case): a well-predicted branch beats a store per element
+      for (int64_t j = 0; j < l; ++j)
+        if (abs_key(xs[j]) >= tkey) tmp[w++] = int32_t(o + j);
+    } else {
+      for (int64_t j = 0; j < l; ++j) {
+        tmp[w] = int32_t(o + j);
+        w += abs_key(xs[j]) >= tkey;
+      }
     }
     for (int64_t j = 0; j < w;) {
       if (fill == Collected::CHUNK) {
