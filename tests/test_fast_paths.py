@@ -269,18 +269,22 @@ def test_fused_error_feedback_is_the_reference(lib, spec, alias, with_residual):
     assert equal_nan(out, ref_out) and ref_out.isnan().any()
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.3,values=int8", "threshold:value=1.0",
-                                  "dgc:ratio=0.05,masking=false"])
-@pytest.mark.parametrize("alias", ["fresh", "x", "residual"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "topk:ratio=0.3,values=int8", "topk:ratio=0.6", "topk:ratio=1",
+                                  "threshold:value=1.0", "dgc:ratio=0.05,masking=false"])
+@pytest.mark.parametrize("alias", ["fresh", "x", "residual", "no residual"])
 def test_sparse_error_feedback_is_the_reference(lib, spec, alias):
-    """Sparsifiers: y = x + r written once, only the kept entries changed afterwards == y - dense decode."""
+    """Sparsifiers: y = x + r written once (top-k: in its collection pass), only the kept entries changed
+    afterwards == y - dense decode; also through top-k's fallbacks (k > n/2: the exact top-k of all; k = n)."""
     codec = make(spec)
     x, r = big_input(seed=5), big_input(seed=6, wide=False)
     x[100:103] = float("nan")
+    if alias == "no residual":
+        r = None
     ref_out = torch.empty(N)
-    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), r.clone(), seed=2, out=ref_out)
-    xs, rs = x.clone(), r.clone()
-    out = {"fresh": torch.empty(N), "x": xs, "residual": rs}[alias]
+    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), None if r is None else r.clone(), seed=2,
+                                                  out=ref_out)
+    xs, rs = x.clone(), None if r is None else r.clone()
+    out = {"fresh": torch.empty(N), "x": xs, "residual": rs, "no residual": torch.empty(N)}[alias]
     got = codec.encode_feedback(xs, rs, seed=2, out=out)
     for a, b in zip(got.tensors, ref.tensors):
         assert a.dtype == b.dtype and equal_nan(a, b)
