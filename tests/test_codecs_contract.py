@@ -403,6 +403,10 @@ def test_accumulate_gathered_is_adding_each_rank_in_turn(n, ratio):
         codec.accumulate_into(p, want)
     assert torch.equal(got, want)
     assert not make("topk:values=int8").accumulate_gathered(payloads[0], parts, got)  # per rank instead
+    for world in (3, 8):  # and the mean, divided only where something was added: bit for bit sum / world
+        mean = torch.zeros(n)
+        assert codec.accumulate_gathered(payloads[0], parts, mean, world)
+        assert torch.equal(mean, want / world) and not mean.signbit()[want == 0].any()
 
 
 @pytest.mark.parametrize("spec", ["none", "fp16", "bf16"])

@@ -337,7 +337,7 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
         yield [work]
     for out in outs:
         out.zero_()
-    seen = []
+    seen, divided = [], set()  # outs already divided by W (where anything was added)
     if codec.fixed_layout and hasattr(codec, "accumulate_gathered") and len(gathered) > 1:
         # every rank's buffer has the same layout: one view per payload tensor with a leading rank dimension,
         # and one accumulate per tensor for all ranks (O(tensors) calls, not O(tensors x W))
@@ -354,7 +354,9 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
                     part = part.clone()
                 parts.append(part.view(t.dtype))
                 offset += size
-            if not codec.accumulate_gathered(p, parts, out):
+            if codec.accumulate_gathered(p, parts, out, comm.world):
+                divided.add(id(out))
+            else:
                 for i in range(len(gathered)):
                     codec.accumulate_into(p.replace(tuple(q[i] for q in parts)), out)
             seen.append(p.replace(tuple(parts)))
@@ -370,7 +372,8 @@ def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: 
     if received is not None:
         received(seen)
     for out in outs:
-        out.div_(comm.world)
+        if id(out) not in divided:
+            out.div_(comm.world)
 
 
 #: elements per chunk of the two-step reduce are a multiple of this (whole packed bytes for 1-bit codes)
