@@ -427,3 +427,18 @@ def test_cast_mean_part_is_the_encode_of_the_mean(spec, dtype, world):
     p = codec.encode_mean_part(x, world, out=buf[5 : 5 + n])
     assert p.tensors[0].data_ptr() == buf[5:].data_ptr() and bool((buf[:5] == 1).all() and (buf[5 + n :] == 1).all())
     assert torch.equal(p.tensors[0].float().nan_to_num(7.0), want.view(-1).float().nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("spec", ["randomk:ratio=0.1", "randomk:ratio=0.3,scale=true"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_randomk_mean_part_is_the_encode_of_the_mean(spec, dtype):
+    """random-k divides only its k values: the same payload as encode(x / world), and kept() is its decode."""
+    codec = make(spec)
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for world in (1, 3):
+        want = codec.encode(x / world, seed=11)
+        got = codec.encode_mean_part(x, world, seed=11)
+        assert got.seed == want.seed and got.dtype == want.dtype and torch.equal(got.tensors[0], want.tensors[0])
+        idx, vals = codec.kept(got)
+        dense = torch.zeros(x.numel()).index_copy_(0, idx, vals)
+        assert torch.equal(dense, codec.decode(got).float())

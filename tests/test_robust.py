@@ -147,7 +147,7 @@ FUSED_SCHEMES = ["int8", "int4", "sign", "sign:bucket=64", "topk:ratio=0.05", "t
                  "threshold:value=1.0", "int8|allgather", "int8:momentum=0.9", "powersgd:rank=2",
                  "sign:server_error_feedback=true", "int4:bucket=64,server_error_feedback=true",
                  "int8|bf16", "sign:server_error_feedback=true|bf16", "topk:ratio=0.05|bf16",
-                 "powersgd:rank=2,alternate=true"]
+                 "powersgd:rank=2,alternate=true", "randomk:ratio=0.1", "randomk:ratio=0.1|bf16"]
 
 
 @pytest.mark.parametrize("world", [3])  # 3: chunks of uneven tensors are padded, one rank owns less

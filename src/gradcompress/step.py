@@ -519,6 +519,24 @@ class Step:
         out.view(a.shape[0], b.shape[0]).addmm_(a, b.T, alpha=-1)
         self.put("residual", key, out)
 
+    def _delivered_sparse(self, codec, key, sent: torch.Tensor, payload, world: int) -> bool:
+        """:meth:`_delivered` of random-k's mean part: the new residual ``sent - decode(payload) * world`` changes
+        only at the k kept positions (elsewhere sent - 0 = sent, bit for bit), so it is written there only.
+        False (the dense reference path) with masked momentum or a residual in another dtype."""
+        kept = getattr(codec, "kept", None)
+        if (kept is None or not payload.tensors or sent.dtype != torch.float32 or not sent.is_contiguous()
+                or self.compressor.residual_dtype != torch.float32
+                or not self._fuses_feedback(Aggregation.GATHER)):  # the sparsifiers' switch: EF on, no masking
+            return False
+        out = sent if self._owned.get(key) is sent else self._new_residual(key, sent)
+        if out is not sent:
+            out.copy_(sent)
+        idx, vals = kept(payload)
+        flat = out.view(-1)
+        flat.index_copy_(0, idx, flat.index_select(0, idx) - vals * world)
+        self.put("residual", key, out)
+        return True
+
     def _compressed_job(self, codec, aggregation, keys, inputs, outs, check_sum: bool = False) -> exchange.Job:
         comm = self.comm
         world = comm.world
@@ -530,7 +548,8 @@ class Step:
                 part = buf[offset : offset + x.numel()] if buf is not None else None
                 offset += x.numel()
                 p = codec.encode_mean_part(x, world, seed=self.seed(k, codec), out=part)
-                self._delivered(k, x, lambda p=p: codec.decode(p).float() * world)
+                if not self._delivered_sparse(codec, k, x, p, world):
+                    self._delivered(k, x, lambda p=p: codec.decode(p).float() * world)
                 payloads.append(p)
             yield from exchange.sum_mean(comm, codec, payloads, outs,
                                          (lambda f: self.check(all_finite(f))) if check_sum else None)

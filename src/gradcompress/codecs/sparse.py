@@ -26,7 +26,7 @@ import torch
 
 from ..spec import Range, option, register
 from . import fast
-from .base import Aggregation, Codec, Payload, generator
+from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator
 
 _RATIO = Range(0, 1, lo_open=True)
 #: DGC's sparsity warm-up densities, one per stage
@@ -244,6 +244,24 @@ class RandomK(Codec):
         if self.scale:
             vals = vals * (flat.numel() / vals.numel())
         return (vals,)
+
+    def encode_mean_part(self, x, world, *, seed=None, out=None):
+        """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element)."""
+        check_input(x, self.name)
+        if seed is None:
+            seed = fresh_seed()
+        flat = x.reshape(-1)
+        if not flat.numel():
+            return Payload((), x.shape, x.dtype, seed, x.device)
+        vals = flat[self.positions(flat.numel(), seed, flat.device)] / world
+        if self.scale:
+            vals = vals * (flat.numel() / vals.numel())
+        return Payload((vals,), x.shape, x.dtype, seed, x.device)
+
+    def kept(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 positions, float32 values) of a payload: its decode is zero elsewhere."""
+        device = payload.tensors[0].device
+        return self.positions(payload.numel, payload.seed, device), payload.tensors[0].float()
 
     def _decode(self, tensors, numel, seed, device):
         out = torch.zeros(numel, dtype=torch.float32, device=device)
