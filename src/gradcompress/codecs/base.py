@@ -41,7 +41,9 @@ class Payload:
     ``tensors``: the data that travels (and nothing else). ``shape``/``dtype``: the
     input's, kept locally to rebuild it. ``seed``: the seed used, kept locally (codecs
     such as randomk regenerate their positions from it instead of sending them).
-    ``device``: the input's device (where an empty tensor decodes to).
+    ``device``: the input's device (where an empty tensor decodes to). ``local``: what the
+    encoder derived that a decode would derive again from the metadata (random-k's positions),
+    kept locally to save the work; never sent, and valid for payloads that :meth:`replace` makes.
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -49,6 +51,7 @@ class Payload:
     dtype: torch.dtype
     seed: int | None = None
     device: torch.device | None = None
+    local: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def numel(self) -> int:

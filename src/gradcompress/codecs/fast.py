@@ -57,7 +57,7 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 7  # gc_version() of the source this module drives
+_VERSION = 8  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
@@ -509,15 +509,16 @@ def _random_positions_torch(n: int, k: int, key: int, device) -> torch.Tensor:
         found.append(p)
         have += p.numel()
         start += chunk
-    return torch.cat(found)[:k]
+    return torch.sort(torch.cat(found)[:k]).values
 
 
 def random_positions(n: int, k: int, seed: int, device=None) -> torch.Tensor:
-    """k distinct int64 positions in [0, n) drawn from ``seed``, the same on every machine and device.
+    """k distinct int64 positions in [0, n) drawn from ``seed``, ascending, the same on every machine and device.
 
     The first k values below n of a keyed pseudo-random permutation of [0, 2^b), 2^b the least
     power of two >= n (a 6-round Feistel network whose round function is SplitMix64's mix),
-    applied to 0, 1, 2, ...: about 2k hashes, O(k) memory, no O(n) ``randperm``.
+    applied to 0, 1, 2, ...: about 2k hashes, no O(n) ``randperm``; then put in ascending order (an
+    n-bit map), so that gathering and scattering the kept values streams through memory.
     """
     if not 0 <= k <= n:
         raise ValueError(f"random_positions: need 0 <= k <= n, got k={k}, n={n}")

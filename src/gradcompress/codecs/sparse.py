@@ -240,28 +240,54 @@ class RandomK(Codec):
         return fast.random_positions(n, k, seed, device)
 
     def _encode(self, flat, seed):
-        vals = flat[self.positions(flat.numel(), seed, flat.device)]
+        vals = flat.index_select(0, self.positions(flat.numel(), seed, flat.device))
         if self.scale:
             vals = vals * (flat.numel() / vals.numel())
         return (vals,)
 
+    def encode(self, x, *, seed=None):
+        return self.encode_mean_part(x, 1, seed=seed)
+
     def encode_mean_part(self, x, world, *, seed=None, out=None):
-        """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element)."""
+        """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element).
+        The positions stay with the payload (``Payload.local``): decoding it does not draw them again."""
         check_input(x, self.name)
         if seed is None:
             seed = fresh_seed()
         flat = x.reshape(-1)
         if not flat.numel():
             return Payload((), x.shape, x.dtype, seed, x.device)
-        vals = flat[self.positions(flat.numel(), seed, flat.device)] / world
+        pos = self.positions(flat.numel(), seed, flat.device)
+        vals = flat.index_select(0, pos)
+        if world != 1:
+            vals = vals / world
         if self.scale:
             vals = vals * (flat.numel() / vals.numel())
-        return Payload((vals,), x.shape, x.dtype, seed, x.device)
+        return Payload((vals,), x.shape, x.dtype, seed, x.device, local=(pos,))
+
+    def _positions_of(self, payload: Payload) -> torch.Tensor:
+        if payload.local:
+            return payload.local[0]
+        return self.positions(payload.numel, payload.seed, payload.tensors[0].device)
 
     def kept(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 positions, float32 values) of a payload: its decode is zero elsewhere."""
-        device = payload.tensors[0].device
-        return self.positions(payload.numel, payload.seed, device), payload.tensors[0].float()
+        return self._positions_of(payload), payload.tensors[0].float()
+
+    def decode(self, payload):
+        if payload.numel == 0 or not payload.tensors:
+            return super().decode(payload)
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.tensors[0].device)
+        out.index_copy_(0, self._positions_of(payload), payload.tensors[0].float())
+        return out.to(payload.dtype).reshape(payload.shape)
+
+    def decode_into(self, payload, out):
+        """``out.copy_(decode(payload))`` without the temporary: zeros, then the k values at their positions."""
+        if payload.numel == 0 or not payload.tensors or not out.is_contiguous():
+            return super().decode_into(payload, out)
+        out.zero_()
+        vals = payload.tensors[0].float().to(payload.dtype).to(out.dtype)
+        out.view(-1).index_copy_(0, self._positions_of(payload), vals)
 
     def _decode(self, tensors, numel, seed, device):
         out = torch.zeros(numel, dtype=torch.float32, device=device)

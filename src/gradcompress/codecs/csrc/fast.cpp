@@ -441,7 +441,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 7; }
+GC_API int gc_version() { return 8; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
@@ -637,8 +637,8 @@ struct Feistel {
 };
 
 // out[0..k) = the first k values below n of the permutation of [0, 2^b) (2^b the least power
-// of two >= n, b >= 1) applied to 0, 1, 2, ...: k distinct positions, about 2^b / n * k
-// evaluations, done in rounds of ranges split over the threads (kept in order).
+// of two >= n, b >= 1) applied to 0, 1, 2, ..., in ascending order: k distinct positions, about
+// 2^b / n * k evaluations, done in rounds of ranges split over the threads (kept in order).
 GC_API int gc_random_positions(int64_t n, int64_t k, uint64_t key, int64_t* out, int nthreads) {
   int b = 1;
   while ((int64_t(1) << b) < n) ++b;
@@ -673,6 +673,13 @@ GC_API int gc_random_positions(int64_t n, int64_t k, uint64_t key, int64_t* out,
       }
       start += uint64_t(span);
     }
+    // ascending order (a bitmap of [0, n): k bit sets, then one scan), so that gathering and scattering
+    // the kept values stream through memory instead of jumping
+    std::vector<uint64_t> bits(size_t((n + 63) / 64), 0);
+    for (int64_t i = 0; i < k; ++i) bits[size_t(out[i] >> 6)] |= uint64_t(1) << (out[i] & 63);
+    int64_t w2 = 0;
+    for (size_t word = 0; word < bits.size(); ++word)
+      for (uint64_t b = bits[word]; b; b &= b - 1) out[w2++] = int64_t(word * 64 + size_t(__builtin_ctzll(b)));
   } catch (const std::bad_alloc&) {
     return -1;
   }
