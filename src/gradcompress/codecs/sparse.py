@@ -217,7 +217,8 @@ class RandomK(Codec):
     Every rank must encode with the same seed (the exchange does this), so payloads
     add up and one all-reduce suffices. ``scale=true`` multiplies by n/k: unbiased.
     The positions are the first k of a keyed pseudo-random permutation (a Feistel network
-    over the index, :func:`fast.random_positions`): O(k) work, identical on every device.
+    over the index, :func:`fast.random_positions`), in ascending order: about 2k hashes and an
+    n-bit map, no O(n) permutation, identical on every device.
     """
 
     ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
@@ -239,18 +240,13 @@ class RandomK(Codec):
             return torch.arange(n, device=device)
         return fast.random_positions(n, k, seed, device)
 
-    def _encode(self, flat, seed):
-        vals = flat.index_select(0, self.positions(flat.numel(), seed, flat.device))
-        if self.scale:
-            vals = vals * (flat.numel() / vals.numel())
-        return (vals,)
-
     def encode(self, x, *, seed=None):
+        """The k values at the seed's positions (scaled by n/k with ``scale``); the positions stay with the
+        payload (``Payload.local``, never sent): decoding it does not draw them again."""
         return self.encode_mean_part(x, 1, seed=seed)
 
     def encode_mean_part(self, x, world, *, seed=None, out=None):
-        """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element).
-        The positions stay with the payload (``Payload.local``): decoding it does not draw them again."""
+        """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element)."""
         check_input(x, self.name)
         if seed is None:
             seed = fresh_seed()
@@ -273,13 +269,6 @@ class RandomK(Codec):
     def kept(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 positions, float32 values) of a payload: its decode is zero elsewhere."""
         return self._positions_of(payload), payload.tensors[0].float()
-
-    def decode(self, payload):
-        if payload.numel == 0 or not payload.tensors:
-            return super().decode(payload)
-        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.tensors[0].device)
-        out.index_copy_(0, self._positions_of(payload), payload.tensors[0].float())
-        return out.to(payload.dtype).reshape(payload.shape)
 
     def decode_into(self, payload, out):
         """``out.copy_(decode(payload))`` without the temporary: zeros, then the k values at their positions."""
