@@ -245,22 +245,23 @@ class Running:
         self.job = job
         self.works = next(job, None)
 
-    def advance(self, comm: "Collectives") -> None:
-        if self.works is None:
-            return
-        comm.wait(self.works)
+    def _resume(self) -> None:
+        """Run the job to its next round (its works, or None when it has finished)."""
         try:
             self.works = self.job.send(None)
         except StopIteration:
             self.works = None
 
+    def advance(self, comm: "Collectives") -> None:
+        if self.works is None:
+            return
+        comm.wait(self.works)
+        self._resume()
+
     def rest(self) -> Job:
         while self.works is not None:
             yield self.works
-            try:
-                self.works = self.job.send(None)
-            except StopIteration:
-                self.works = None
+            self._resume()
 
 
 # --------------------------------------------------------------------- exchange rounds
