@@ -1,0 +1,218 @@
+"""Golden results: SHA-256 digests of short multi-process runs, recorded before a refactor and kept as a test.
+
+Every case trains the tests' MLP for ``STEPS`` steps on 2 or 4 gloo workers and digests, in order, the averaged
+gradients of every step, the final parameters and the compressor's (or optimizer's) state dict. Cases cover every
+codec of ``gradcompress.available()`` through the DDP hook and ``synchronize``, plus FSDP, DiLoCo, 1-bit Adam and
+CompressedAdam, with error feedback, momentum correction, server error feedback, telemetry, bfloat16 residuals and
+a non-finite step (rank W-1's loss times Inf at ``BAD_STEP``: the step must be skipped everywhere).
+
+``python tests/golden_workers.py`` prints the digests as JSON (``tests/golden.json`` holds the recorded ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import gradcompress  # noqa: E402
+from gradcompress.optim import CompressedAdam, DiLoCo, OneBitAdam  # noqa: E402
+from workers import batch, make_model  # noqa: E402
+
+STEPS = 20
+BAD_STEP = 7
+
+#: (name, spec, Compressor options): run through the DDP hook and synchronize()
+CODEC_CASES = [
+    ("none", "none", {}),
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("int8", "int8", {}),
+    ("int8-stochastic", "int8:stochastic=true", {}),
+    ("int4", "int4", {}),
+    ("qsgd", "qsgd", {}),
+    ("terngrad", "terngrad", {}),
+    ("sign-momentum", "sign", {"momentum": 0.9}),
+    ("topk", "topk:ratio=0.05", {}),
+    ("topk-int8", "topk:ratio=0.05,values=int8", {}),
+    ("randomk-scaled", "randomk:ratio=0.1,scale=true", {}),
+    ("randomk-momentum", "randomk:ratio=0.25,scale=false", {"momentum": 0.9}),
+    ("threshold", "threshold:value=0.01", {}),
+    ("dgc", "dgc:ratio=0.05", {}),
+    ("powersgd", "powersgd:rank=2", {}),
+    ("powersgd-alt", "powersgd:rank=1,alternate=true", {}),
+    ("int8-server-ef", "int8", {"server_error_feedback": True}),
+    ("int4-server-ef", "int4", {"server_error_feedback": True, "momentum": 0.5}),
+    ("sign-server-ef", "sign", {"server_error_feedback": True}),
+    ("int8-warmup-monitor", "int8", {"warmup_steps": 3, "monitor_every": 3}),
+    ("topk-bf16-residual", "topk:ratio=0.05", {"residual_dtype": torch.bfloat16}),
+    ("int8-bf16-residual", "int8", {"residual_dtype": torch.bfloat16}),
+    ("topk-schedule", "topk:ratio=0.05", {"schedule": "exp", "ramp_steps": 6}),
+    ("int8-allgather", "int8", {"collective": "allgather"}),
+]
+
+#: (spec, register_fsdp options)
+FSDP_CASES = [("none", {}), ("fp16", {}), ("int8", {}), ("int4", {}), ("sign", {}), ("topk:ratio=0.05", {}),
+              ("randomk:ratio=0.1", {}), ("dgc:ratio=0.05", {}), ("qsgd", {}), ("threshold:value=0.01", {}),
+              ("sign", {"momentum": 0.9}), ("int8", {"residual_dtype": torch.bfloat16})]
+DILOCO_CASES = ["none", "int8", "int4", "topk:ratio=0.05", "powersgd:rank=2"]
+ADAM_CASES = ["onebitadam", "topk:ratio=0.05", "int8", "powersgd:rank=2"]
+
+
+class Digest:
+    """A running SHA-256 over tensors (dtype, shape, raw bytes) and plain values, in the order given."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = _local(obj).detach().cpu().contiguous()
+            self.h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            self.h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                self.h.update(str(k).encode())
+                self.add(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                self.add(v)
+        else:
+            self.h.update(repr(obj).encode())
+
+    def hex(self) -> str:
+        return self.h.hexdigest()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _loss(model, rank, world, step):
+    x, y = batch(rank, step)
+    loss = nn.functional.cross_entropy(model(x), y)
+    if step == BAD_STEP and rank == world - 1:
+        loss = loss * float("inf")
+    return loss
+
+
+def _finite(params) -> bool:
+    return all(bool(torch.isfinite(_local(p.grad)).all()) for p in params if p.grad is not None)
+
+
+def _train(model, forward, average, opt, rank, world, d: Digest) -> None:
+    """STEPS steps: backward, ``average()``, digest the gradients, step unless non-finite (GradScaler's rule)."""
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(forward, rank, world, step).backward()
+        average()
+        finite = _finite(model.parameters())
+        d.add(finite)
+        if finite:
+            d.add([_local(p.grad) for p in model.parameters()])
+            opt.step()
+    d.add([_local(p) for p in model.parameters()])
+
+
+def codec_case(rank, world, spec, options, mode) -> str:
+    d = Digest()
+    model = make_model()
+    opts = {"min_numel": 256, **options}
+    if mode == "hook":
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        comp = gradcompress.register_ddp_hook(ddp, spec, **opts)
+        forward, average = ddp, (lambda: None)
+    else:
+        comp = gradcompress.Compressor(spec, **opts)
+        forward, average = model, (lambda: comp.synchronize(model.parameters()))
+    _train(model, forward, average, torch.optim.SGD(model.parameters(), lr=0.05), rank, world, d)
+    d.add(comp.state_dict())
+    stats = comp.stats()
+    d.add([stats[k] for k in ("steps", "skipped", "raw_bytes", "wire_bytes", "monitor_bytes")])
+    return d.hex()
+
+
+def fsdp_case(rank, world, spec, options) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    d = Digest()
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    comp = gradcompress.register_fsdp(model, spec, **options)
+    _train(model, model, lambda: None, torch.optim.SGD(model.parameters(), lr=0.05), rank, world, d)
+    d.add(comp.state_dict())
+    stats = comp.stats()
+    d.add([stats[k] for k in ("steps", "skipped", "raw_bytes", "wire_bytes")])
+    return d.hex()
+
+
+def diloco_case(rank, world, codec) -> str:
+    d = Digest()
+    model = make_model()
+    opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=3, codec=codec)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        d.add(list(model.parameters()))
+    d.add(opt.state_dict())
+    d.add(opt.stats()["wire_bytes"])
+    return d.hex()
+
+
+def adam_case(rank, world, codec) -> str:
+    d = Digest()
+    model = make_model()
+    if codec == "onebitadam":
+        opt = OneBitAdam(model.parameters(), lr=1e-2, warmup_steps=4)
+    else:
+        opt = CompressedAdam(model.parameters(), lr=1e-2, warmup_steps=4, codec=codec)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, world, step).backward()
+        opt.step()
+        d.add(list(model.parameters()))
+    d.add(opt.state_dict())
+    d.add(opt.bytes_sent())
+    return d.hex()
+
+
+def all_cases(rank, world) -> dict:
+    out = {}
+    for name, spec, options in CODEC_CASES:
+        for mode in ("hook", "sync"):
+            out[f"W{world}/{mode}/{name}"] = codec_case(rank, world, spec, options, mode)
+    for spec, options in FSDP_CASES:
+        out[f"W{world}/fsdp/{spec}{sorted(options.items())}"] = fsdp_case(rank, world, spec, options)
+    for codec in DILOCO_CASES:
+        out[f"W{world}/diloco/{codec}"] = diloco_case(rank, world, codec)
+    for codec in ADAM_CASES:
+        out[f"W{world}/adam/{codec}"] = adam_case(rank, world, codec)
+    # every rank's digest counts (FSDP's shards and DiLoCo's local steps differ by rank)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    return {k: hashlib.sha256(" ".join(e[k] for e in everyone).encode()).hexdigest() for k in out}
+
+
+def record() -> dict:
+    from gradcompress import launch
+
+    out = {}
+    for world in (2, 4):
+        out.update(launch.run(all_cases, world, timeout=900)[0])
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(record(), indent=1, sort_keys=True))
