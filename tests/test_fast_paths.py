@@ -19,7 +19,7 @@ import torch
 
 from gradcompress import make
 from gradcompress.codecs import fast
-from gradcompress.packing import pack, unpack
+from gradcompress.codecs.packing import pack, unpack
 
 N = 70_001  # > fast.MIN_NUMEL; 70001 % 512 = 369 (partial last bucket), % 8 = 1 (partial last byte)
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradcompress.packing import pack, packed_nbytes, unpack
+from gradcompress.codecs.packing import pack, packed_nbytes, unpack
 
 BITS = list(range(1, 9))
 

@@ -17,15 +17,15 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import exchange
+from .adapters import ddp_hook
+from .collectives import Collectives, LocalCollectives
+from .monitor import Telemetry
 from .schedule import SCHEDULES
 from .spec import make
 from .step import State, Step
-from .transforms import MomentumCorrection
+from .transforms import Clip, ErrorFeedback, MomentumCorrection, Transforms
 
 COLLECTIVES = ("auto", "allgather")
-#: monitored steps kept in ``stats()["monitor"]["history"]``
-MONITOR_HISTORY = 50
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -129,8 +129,7 @@ class Compressor:
         self.ramp_steps = _check_int("ramp_steps", ramp_steps, 0)
         self.residual_dtype = residual_dtype
         self.monitor_every = _check_int("monitor_every", monitor_every, 0)
-        self._monitor: dict | None = None
-        self._monitor_history: list[tuple[int, float, float]] = []
+        self.telemetry = Telemetry(self.error_feedback)
         #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
         self.dense_codec = make("none")
         self.state = State()
@@ -141,7 +140,7 @@ class Compressor:
 
             fast.prepare()
         self.current_step: Step | None = None
-        self._comm: exchange.Collectives | None = None
+        self._comm: Collectives | None = None
         self._checked = False
         self._key_of: dict[int, int] = {}
         self._totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0}
@@ -157,9 +156,16 @@ class Compressor:
             return stage, codec.clip
         return (MomentumCorrection(self.momentum) if self.momentum > 0 else None), 0.0
 
+    def transforms(self, ctx, world: int) -> Transforms:
+        """The chain of one step (clip -> momentum correction -> worker error feedback, and the server's)."""
+        dtype = self.residual_dtype
+        return Transforms(ctx, Clip(self.clip, world) if self.clip > 0 else None, self.momentum_correction,
+                          ErrorFeedback(dtype) if self.error_feedback else None,
+                          ErrorFeedback(dtype) if self.server_error_feedback else None)
+
     # ------------------------------------------------------------------ state views
     @property
-    def step(self) -> int:
+    def committed_steps(self) -> int:
         """Committed steps (the schedule position; a skipped non-finite step does not count)."""
         return self.state.step
 
@@ -179,11 +185,16 @@ class Compressor:
         return self.state.slots["momentum"]
 
     # ------------------------------------------------------------------ the step protocol
-    def begin_step(self, collectives: exchange.Collectives | None = None) -> Step:
+    def step(self, collectives: Collectives | None = None) -> Step:
+        """Open a step, to use as ``with compressor.step() as step:`` (commit on a clean exit, rollback on an
+        exception; see :mod:`gradcompress.step`). The same as :meth:`begin_step`."""
+        return self.begin_step(collectives)
+
+    def begin_step(self, collectives: Collectives | None = None) -> Step:
         """Open a step (see :mod:`gradcompress.step`); on the first one, check every rank's configuration.
 
         ``collectives``: use these instead of the process group's from now on (e.g.
-        :class:`gradcompress.exchange.LocalCollectives` to time a step without a group).
+        :class:`gradcompress.collectives.LocalCollectives` to time a step without a group).
         """
         if self.current_step is not None and self.current_step.open:
             raise RuntimeError("gradcompress: a step of this compressor is still open; end() or abort() it first")
@@ -192,9 +203,9 @@ class Compressor:
         if self._comm is None:
             group = self.process_group
             if group is None and default_group() is None:
-                self._comm = exchange.LocalCollectives(1)  # a single process: nothing to send
+                self._comm = LocalCollectives(1)  # a single process: nothing to send
             else:
-                self._comm = exchange.Collectives(group)
+                self._comm = Collectives(group)
         if not self._checked:
             self._comm.check_same(f"{self.config()} overlap={self.overlap}", "gradcompress")
             self._checked = True
@@ -204,8 +215,8 @@ class Compressor:
     def _close_step(self, step: Step, new: dict | None, counted: bool = True) -> None:
         """Called by the step at its end: commit ``new`` (None: roll back), add its counters."""
         if new is not None:
-            if step.monitor_rows:
-                self._monitor_report(step)
+            if step.ctx.monitor is not None and step.ctx.monitor.rows:
+                self.telemetry.report(step.index, step.ctx.monitor)
             self.state.commit(new)
         if counted:
             self._totals["steps"] += 1
@@ -214,22 +225,6 @@ class Compressor:
         self._totals["codec_seconds"] += step.codec_seconds
         if self.current_step is step:
             self.current_step = None
-
-    def _monitor_report(self, step: Step) -> None:
-        """Telemetry of a monitored step: relative error and cosine of the delivered average against the
-        exact one, overall and per parameter key, and the residual norm (error feedback)."""
-        rows = {k: v.tolist() for k, v in step.monitor_rows.items()}
-
-        def summary(err2, ref2, dot, out2, res2):
-            return {"relative_error": (err2 / ref2) ** 0.5 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")),
-                    "cosine": dot / (ref2 * out2) ** 0.5 if ref2 > 0 and out2 > 0 else (1.0 if err2 == 0 else 0.0),
-                    "residual_norm": res2 ** 0.5 if self.error_feedback else None}
-
-        total = [sum(r[i] for r in rows.values()) for i in range(5)]
-        overall = summary(*total)
-        self._monitor = {"step": step.index, **overall, "per_parameter": {k: summary(*r) for k, r in rows.items()}}
-        self._monitor_history = (self._monitor_history + [(step.index, overall["relative_error"],
-                                                          overall["cosine"])])[-MONITOR_HISTORY:]
 
     def keys_for(self, parameters: Iterable[torch.nn.Parameter]) -> list[int]:
         """State keys of ``parameters``: their positions as given to :meth:`index_parameters`, or,
@@ -254,17 +249,13 @@ class Compressor:
         Averages over ``ddp_model.process_group`` (the group the DDP model was built on)
         unless this Compressor was given a ``process_group``, which must then be the same.
         """
-        from .adapters.ddp import register
-
-        return register(self, ddp_model)
+        return ddp_hook.register(self, ddp_model)
 
     def __call__(self, state, bucket):
         """Lets the Compressor itself be passed where a hook is expected, with any state:
         ``ddp_model.register_comm_hook(None, compressor)``. (No annotations: DDP checks them.)
         """
-        from .adapters.ddp import hook
-
-        return hook(self, bucket)
+        return ddp_hook.hook(self, bucket)
 
     def synchronize(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
         """Average the ``.grad`` of ``parameters`` across the group, in place (custom training loops).
@@ -279,13 +270,9 @@ class Compressor:
         for _, g in entries:
             if g.is_sparse:
                 raise ValueError("Compressor.synchronize: sparse gradients are not supported")
-        step = self.begin_step()
-        try:
+        with self.step() as step:
             step.drive([step.exchange([k for k, _ in entries], [g for _, g in entries])])
-            return step.end()
-        except BaseException:
-            step.abort()
-            raise
+        return step.committed
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
@@ -295,7 +282,7 @@ class Compressor:
         some rank (nothing committed); ``raw_bytes``: the gradients' own size (numel x
         element size) summed over steps; ``wire_bytes``: bytes this rank transmitted
         through collectives, counted as ring algorithms send them (see
-        :mod:`gradcompress.exchange`); ``ratio``: raw / wire; ``codec_seconds``: time in
+        :mod:`gradcompress.collectives`); ``ratio``: raw / wire; ``codec_seconds``: time in
         encode/decode and state updates; ``comm_seconds``: time waiting on collectives.
         """
         wire = self._comm.wire_bytes if self._comm else 0
@@ -309,8 +296,7 @@ class Compressor:
             "codec_seconds": self._totals["codec_seconds"],
             "comm_seconds": self._comm.comm_seconds if self._comm else 0.0,
             "monitor_bytes": self._comm.monitor_bytes if self._comm else 0,
-            "monitor": None if self._monitor is None else {**self._monitor,
-                                                            "history": list(self._monitor_history)},
+            "monitor": self.telemetry.stats(),
         }
 
     def state_dict(self) -> dict:

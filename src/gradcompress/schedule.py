@@ -41,10 +41,13 @@ def codec_at(codec: Codec, step: int, warmup_steps: int, schedule: str | None, r
     own = codec.at_step(t)
     changes = {}
     if schedule == "exp" and ramp_steps > 0:
-        if hasattr(codec, "ratio"):
-            changes["ratio"] = max(own.ratio, ramp_ratio(t, ramp_steps, codec.ratio))
-        if hasattr(codec, "rank"):
-            changes["rank"] = ramp_rank(t, ramp_steps, codec.rank)
-    changes = {k: v for k, v in changes.items() if not (isinstance(v, float) and math.isclose(v, getattr(own, k)))
-               and v != getattr(own, k)}
+        knobs = codec.schedule_knobs
+        if "ratio" in knobs:
+            ratio = max(own.ratio, ramp_ratio(t, ramp_steps, codec.ratio))
+            if not math.isclose(ratio, own.ratio):
+                changes["ratio"] = ratio
+        if "rank" in knobs:
+            rank = ramp_rank(t, ramp_steps, codec.rank)
+            if rank != own.rank:
+                changes["rank"] = rank
     return dataclasses.replace(own, **changes) if changes else own

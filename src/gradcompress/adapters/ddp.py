@@ -1,75 +1,15 @@
-"""The DistributedDataParallel communication-hook adapter.
+"""The DistributedDataParallel adapter: ``register_ddp_hook(model, "int8")``.
 
-``register_ddp_hook(model, "int8")`` or ``Compressor(...).register(model)`` installs
-:func:`hook` with the Compressor as its state. For each bucket DDP hands over, the hook
-opens the step if none is open, asks the step for the bucket's exchange and launches
-it (its first round of collectives is issued now, overlapping the rest of the backward
-pass); at the last bucket it finishes the step: every bucket's remaining rounds are
-driven in bucket order, the step commits or rolls back, and the futures complete. All
-collectives are issued from the thread that runs the hook, in the same order on every
-rank, whatever the number of buckets.
-
-The Compressor averages over the DDP model's own ``process_group`` (a model built on a
-subgroup averages within that subgroup); passing a different ``process_group`` to the
-Compressor is refused. State is keyed by parameter position in ``model.parameters()``.
+``register_ddp_hook(model, "int8")`` or ``Compressor(...).register(model)`` installs the communication hook of
+:mod:`gradcompress.adapters.ddp_hook` with the Compressor as its state: for each bucket DDP hands over, the hook
+opens the step if none is open, asks the step for the bucket's exchange and launches it (its first round of
+collectives is issued now, overlapping the rest of the backward pass); at the last bucket it finishes the step.
+The Compressor averages over the DDP model's own ``process_group``; state is keyed by parameter position in
+``model.parameters()``.
 """
 
-
-import torch
-import torch.distributed as dist
-
-
-def _same_group(a, b) -> bool:
-    world = dist.group.WORLD
-    return (a if a is not None else world) is (b if b is not None else world)
-
-
-def register(compressor, ddp_model):
-    """Install ``compressor`` as ``ddp_model``'s communication hook, on the DDP model's process group."""
-    group = getattr(ddp_model, "process_group", None)
-    if compressor.process_group is None:
-        compressor.process_group = group
-    elif not _same_group(compressor.process_group, group):
-        raise ValueError("gradcompress: the Compressor's process_group is not the group the DDP model averages "
-                         "over (DistributedDataParallel(..., process_group=...)); pass the same group, or none "
-                         "to use the DDP model's")
-    compressor.index_parameters(ddp_model.module.parameters())
-    ddp_model.register_comm_hook(compressor, hook)
-    return compressor
-
-
-def _future(device: torch.device) -> torch.futures.Future:
-    """A future for a bucket on ``device``: on CUDA it records the current streams, as DDP expects."""
-    if device.type == "cuda":
-        return torch.futures.Future(devices=[device])
-    return torch.futures.Future()
-
-
-def hook(compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: ``ddp_model.register_comm_hook(compressor, hook)``."""
-    buffer = bucket.buffer()
-    fut = _future(buffer.device)
-    step = compressor.current_step
-    try:
-        if step is None:
-            step = compressor.begin_step()
-        keys = compressor.keys_for(bucket.parameters())
-        job = step.exchange(keys, list(bucket.gradients()), buffer)
-
-        def done(err, fut=fut, buffer=buffer):
-            if err is None:
-                fut.set_result(buffer)
-            elif not fut.done():
-                fut.set_exception(err)
-
-        step.launch(job, done)
-        if bucket.is_last():
-            step.finish()
-    except BaseException as err:
-        if step is not None and step.open:
-            step.abort(err)
-        raise
-    return fut
+from ..compressor import Compressor
+from .ddp_hook import hook, register
 
 
 def register_ddp_hook(ddp_model, spec, **options):
@@ -78,6 +18,7 @@ def register_ddp_hook(ddp_model, spec, **options):
     Builds a :class:`gradcompress.Compressor` with ``options`` and installs it as
     ``ddp_model``'s hook, averaging over the DDP model's own process group.
     """
-    from ..compressor import Compressor
-
     return register(Compressor(spec, **options), ddp_model)
+
+
+__all__ = ["hook", "register", "register_ddp_hook"]

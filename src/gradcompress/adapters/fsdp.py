@@ -6,7 +6,7 @@ per parameter group per backward with the group's flat gradient buffer: ``world`
 of one shard each (chunk j is rank j's shard of every parameter of the group, padded) and
 the op it wants (AVG, SUM with pre/post divide factors, or PREMUL_SUM).
 
-What happens to it (:meth:`gradcompress.step.Step.reduce_scatter`): the whole local buffer
+What happens to it (:mod:`gradcompress.exchanges.reduce_scatter`): the whole local buffer
 goes through momentum correction and worker error feedback (the residual covers this
 rank's unsharded gradient of the group, so it costs one gradient per rank in
 ``residual_dtype``: float32 by default, ``residual_dtype=torch.bfloat16`` halves it),
@@ -75,16 +75,11 @@ class CompressedReduceScatter(ReduceScatter):
         if step is None:
             step = comp.begin_step()
             end_now = not _end_after_backward(step)
-        if dist.get_world_size(group) != step.comm.world:
-            step.abort()
-            raise ValueError("gradcompress FSDP: the reduce-scatter group differs from the Compressor's process group")
-        try:
+        with step.guarded(end=end_now):
+            if dist.get_world_size(group) != step.comm.world:
+                raise ValueError("gradcompress FSDP: the reduce-scatter group differs from the Compressor's "
+                                 "process group")
             step.drive([step.reduce_scatter(self.key, input_tensor, output_tensor, _scale(op, step.comm.world))])
-            if end_now:
-                step.end()
-        except BaseException as err:
-            step.abort(err)
-            raise
         return None
 
 

@@ -123,6 +123,13 @@ class Codec:
     carries_momentum = False
     #: whether the codec's CPU path uses the fused kernels (:mod:`gradcompress.codecs.fast`)
     uses_fast_kernels = True
+    #: the options ``schedule="exp"`` ramps: ``("ratio",)`` for sparsifiers, ``("rank",)`` for PowerSGD
+    schedule_knobs = ()
+    #: True when :meth:`kept` gives a payload's positions and values (the summed path's residual then changes
+    #: only at the kept positions)
+    keeps_positions = False
+    #: True when :meth:`accumulate_gathered` adds every rank's gathered payload of a tensor at once
+    gathers_stacked = False
 
     @property
     def wants_error_feedback(self) -> bool:
@@ -184,6 +191,25 @@ class Codec:
         payload = self.encode(y, seed=seed)
         torch.sub(y, self.decode(payload).reshape(y.shape).to(y.dtype), out=out)
         return payload
+
+    # ----------------------------------------------------------------- declared capabilities
+    def slices_by_bucket(self) -> bool:
+        """Whether payloads of many buckets can be cut at any bucket edge (:meth:`encode_piece`: the whole-group
+        two-step reduce). False unless a bucketed quantiser says so."""
+        return False
+
+    def encode_piece(self, x, residual, out, codes, scales, seed, offset: int = 0) -> None:
+        """Encode ``x`` into the caller's payload buffers (codecs whose :meth:`slices_by_bucket` is True)."""
+        raise NotImplementedError(f"{self.name} does not encode into caller's buffers")
+
+    def kept(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 positions, float32 values) of a payload (codecs whose :attr:`keeps_positions` is True)."""
+        raise NotImplementedError(f"{self.name} does not keep positions")
+
+    def accumulate_gathered(self, payload: Payload, parts, out: torch.Tensor, world: int | None = None) -> bool:
+        """Every rank's gathered payload of one tensor added at once (codecs whose :attr:`gathers_stacked` is
+        True); False when not handled (the caller then adds them one by one)."""
+        return False
 
     def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
         """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n))."""

@@ -10,7 +10,7 @@ times smaller than the tensor, are sent dense.
 
 This codec is the single-process round trip (a fresh Q drawn from the seed). The
 distributed algorithm (P and Q all-reduced in two rounds, Q warm-started from the
-previous step, shared by all ranks) is driven by :mod:`gradcompress.exchange` with the
+previous step, shared by all ranks) is driven by :mod:`gradcompress.exchanges.lowrank` with the
 helpers below.
 """
 
@@ -84,6 +84,7 @@ class PowerSGD(Codec):
     alternate: bool = option(False, doc="one all-reduce per step, alternating P and Q steps (Compressor)")
     min_compression_rate: float = option(2.0, range=Range(1, None), doc="send dense below this saving")
     aggregation = Aggregation.LOWRANK
+    schedule_knobs = ("rank",)
     stochastic = True
 
     def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:

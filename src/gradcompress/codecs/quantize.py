@@ -2,7 +2,7 @@
 
 All work per bucket of ``bucket`` consecutive elements (default 512), each bucket with
 one float32 scale, so one outlier only coarsens its own bucket. Codes narrower than a
-byte are bit-packed (:mod:`gradcompress.packing`). Payloads are not summable: the
+byte are bit-packed (:mod:`gradcompress.codecs.packing`). Payloads are not summable: the
 exchange uses the two-step reduce (all-to-all of chunks, decode + sum + re-encode,
 all-gather), which keeps the bytes each worker sends near twice the compressed size.
 
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..packing import pack, unpack
+from .packing import pack, unpack
 from ..spec import Range, option, register
 from . import fast
 from .base import Aggregation, Codec, Payload, fresh_seed, generator

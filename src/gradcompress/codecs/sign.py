@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..packing import pack, unpack
+from .packing import pack, unpack
 from ..spec import Range, option, register
 from . import fast
 from .base import Aggregation

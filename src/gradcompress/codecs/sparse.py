@@ -52,6 +52,7 @@ class _Sparse(Codec):
 
     values: "Codec | None" = option(None, doc="codec for the kept values (e.g. int8); default: as they are")
     aggregation = Aggregation.GATHER
+    gathers_stacked = True
 
     def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
         raise NotImplementedError
@@ -132,6 +133,7 @@ class TopK(_Sparse):
     """Exact top-k by magnitude (Aji & Heafield 2017; Stich et al. 2018): k = ceil(ratio * n) values + int32 indices."""
 
     ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
+    schedule_knobs = ("ratio",)
 
     def _select(self, flat, seed):
         k = kept_count(self.ratio, flat.numel())
@@ -177,6 +179,7 @@ class DGC(_Sparse):
     fixed_layout = False
     stochastic = True
     carries_momentum = True
+    schedule_knobs = ("ratio",)
 
     def at_step(self, step: int) -> "DGC":
         """Sparsity warm-up (Lin et al. 2018): density 25% -> 6.25% -> 1.56% -> 0.39% -> ``ratio``
@@ -226,6 +229,8 @@ class RandomK(Codec):
     aggregation = Aggregation.SUM
     shared_seed = True
     preserves_nonfinite = False
+    keeps_positions = True
+    schedule_knobs = ("ratio",)
 
     @property
     def unbiased(self) -> bool:

@@ -124,13 +124,9 @@ class DiLoCo:
         applied and every rank restarts from the unchanged anchor (``stats()["skipped"]``).
         """
         outer_grads = [(a.detach() - p.detach()).to(a.dtype) for a, p in zip(self.anchor, self.params)]
-        step = self.compressor.begin_step()
-        try:
+        with self.compressor.step() as step:
             step.drive([step.exchange(list(range(len(outer_grads))), outer_grads)])
-            finite = step.end()
-        except BaseException:
-            step.abort()
-            raise
+        finite = step.committed
         self.syncs += 1
         if finite:
             for a, g in zip(self.anchor, outer_grads):

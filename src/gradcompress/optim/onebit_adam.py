@@ -10,7 +10,7 @@ Two phases, per parameter, decided by the parameter's own step count:
   match ``torch.optim.Adam`` up to floating-point rounding of the all-reduce.
 * **compression** (afterwards): the variance ``exp_avg_sq`` is frozen. Each rank updates
   the momentum from its *local* gradient, ``m_t = b1 m + (1 - b1) g``, and the momenta
-  are averaged by the two-step compressed all-reduce of :func:`gradcompress.exchange.two_step_mean`
+  are averaged by the two-step compressed all-reduce of :func:`gradcompress.exchanges.twostep.two_step_mean`
   with the ``sign`` codec (one bit per element plus one float32 scale per 512
   elements):
 
@@ -18,7 +18,7 @@ Two phases, per parameter, decided by the parameter's own step count:
      each chunk is 1-bit encoded; ``worker_error = x - decode(encode(x))``;
   2. all-to-all: rank j receives every rank's chunk j, decodes and averages them,
      adds its server residual ``server_error`` (one per parameter, of the chunk's size,
-     :func:`gradcompress.exchange.chunk_numel`), re-encodes, and keeps
+     :func:`gradcompress.exchanges.layout.chunk_numel`), re-encodes, and keeps
      ``server_error = input - decode(encoded)``;
   3. all-gather of the re-encoded chunks: every rank decodes the same bytes, so the
      averaged momentum, which becomes the new ``exp_avg``, is bit-identical everywhere.
@@ -78,8 +78,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import exchange
 from ..compressor import Compressor
+from ..exchanges.layout import chunk_numel
 from ..spec import make
 
 #: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
@@ -190,7 +190,7 @@ class CompressedAdam(torch.optim.Optimizer):
 
     ``state_dict()`` holds, per parameter, ``step``, ``exp_avg``, ``exp_avg_sq`` (frozen
     after warm-up), ``worker_error`` (the parameter's shape) and ``server_error`` (this
-    rank's chunk, :func:`gradcompress.exchange.chunk_numel` elements), all float32; so,
+    rank's chunk, :func:`gradcompress.exchanges.layout.chunk_numel` elements), all float32; so,
     unlike DeepSpeed, a resumed run continues exactly. Loading a ``torch.optim.Adam``
     state dict also works (the error buffers then start at zero). A checkpoint taken
     with another world size has server residuals of another size: they are reset to
@@ -246,7 +246,7 @@ class CompressedAdam(torch.optim.Optimizer):
         those with at least one parameter past its warm-up; ``skipped``: steps skipped
         for a non-finite average; ``raw_bytes``: the exchanged tensors' float32 size,
         summed over steps; ``wire_bytes``: bytes this rank transmitted, counted as ring
-        algorithms send them (:class:`gradcompress.exchange.Collectives`; 0 in a single
+        algorithms send them (:class:`gradcompress.collectives.Collectives`; 0 in a single
         process); ``ratio``: raw / wire; ``comm_seconds``: time waiting on collectives;
         ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update).
         """
@@ -305,17 +305,14 @@ class CompressedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        step = self._begin()
-        try:
+        with self._begin() as step:
             loss = self._exchange_and_update(step, loss)
-        except BaseException:
-            step.abort()
-            raise
         self._counters["seconds"] += time.perf_counter() - started
         return loss
 
-    def _exchange_and_update(self, step, loss):
-        world = step.comm.world
+    def _split(self, world: int):
+        """(dense, compressed): the parameters with a gradient still in their warm-up, and those past it, each as
+        (key, group, parameter, state)."""
         dense, comp = [], []
         key = -1
         for group in self.param_groups:
@@ -327,53 +324,64 @@ class CompressedAdam(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._state_of(p, world)
                 (dense if state["step"].item() < group["warmup_steps"] else comp).append((key, group, p, state))
+        return dense, comp
+
+    def _exchange_and_update(self, step, loss):
+        dense, comp = self._split(step.comm.world)
         if not dense and not comp:
             step.end()
             return loss
         self._counters["steps"] += 1
         self._counters["compressed_steps"] += bool(comp)
         self._counters["raw_bytes"] += 4 * sum(p.numel() for _, _, p, _ in dense + comp)
-
         jobs = []
         dense_flat = None
         if dense:  # warm-up: the gradients, averaged dense
             dense_flat = torch.cat([p.grad.detach().reshape(-1).float() for _, _, p, _ in dense])
             jobs.append(step.exchange(["warmup"], [dense_flat], dense=True))
-        momenta = []
+        momenta = self._momenta(comp)
         if comp:  # afterwards: the momenta, 1 bit each, with worker and server error feedback
-            store = self._compressor.state.slots
-            for key, group, p, state in comp:
-                for slot, name in SLOT_STATE.items():  # the exchange's state lives in ours (checkpoints)
-                    if name in state:
-                        store[slot][key] = state[name]
-                grad = self._local_grad(group, p, p.grad.detach().float())
-                momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
             jobs.append(step.exchange([k for k, _, _, _ in comp], momenta))
         step.drive(jobs)
         if not step.end():  # some rank's gradient or momentum was non-finite: skip everywhere
             self._counters["skipped"] += 1
             return loss
-
         offset = 0
         for _, group, p, state in dense:
             n = p.numel()
             self._adam_step(group, p, state, dense_flat[offset : offset + n].view(p.shape))
             offset += n
-        store = self._compressor.state.slots
         for (key, group, p, state), momentum in zip(comp, momenta):
-            if state["step"].item() == group["warmup_steps"]:
-                _floor_frozen_variance(state["exp_avg_sq"])
-            seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
-            state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
-            for slot, name in SLOT_STATE.items():
-                if key in store[slot]:
-                    state[name] = store[slot][key]
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            warm = group["warmup_steps"]
-            bc2 = 1 - beta2**warm if warm > 0 else 1.0
-            self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
+            self._compressed_update(key, group, p, state, momentum)
         return loss
+
+    def _momenta(self, comp) -> list[torch.Tensor]:
+        """The local momenta to exchange; the exchange's state of each parameter handed to the Compressor."""
+        store = self._compressor.state.slots
+        momenta = []
+        for key, group, p, state in comp:
+            for slot, name in SLOT_STATE.items():  # the exchange's state lives in ours (checkpoints)
+                if name in state:
+                    store[slot][key] = state[name]
+            grad = self._local_grad(group, p, p.grad.detach().float())
+            momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
+        return momenta
+
+    def _compressed_update(self, key, group, p, state, momentum) -> None:
+        """The update of a parameter past its warm-up from the averaged momentum (frozen variance)."""
+        store = self._compressor.state.slots
+        if state["step"].item() == group["warmup_steps"]:
+            _floor_frozen_variance(state["exp_avg_sq"])
+        seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
+        state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
+        for slot, name in SLOT_STATE.items():
+            if key in store[slot]:
+                state[name] = store[slot][key]
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        warm = group["warmup_steps"]
+        bc2 = 1 - beta2**warm if warm > 0 else 1.0
+        self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
 
     # ------------------------------------------------------------------ internals
     def _begin(self):
@@ -402,7 +410,7 @@ class CompressedAdam(torch.optim.Optimizer):
     def _state_of(self, p: torch.Tensor, world: int) -> dict:
         """The parameter's state, created (or completed, after loading a torch Adam state) on first use."""
         state = self.state[p]
-        chunk = exchange.chunk_numel(p.numel(), world)
+        chunk = chunk_numel(p.numel(), world)
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq", "worker_error"):

@@ -16,7 +16,7 @@ import sys
 import torch
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-    raise ImportError("gradcompress.packing assumes a little-endian machine")
+    raise ImportError("gradcompress.codecs.packing assumes a little-endian machine")
 
 _SHIFT_CACHE: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -36,7 +36,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 
 def _fast_ok(t: torch.Tensor, n: int) -> bool:
-    from .codecs import fast  # late: the codecs import this module
+    from . import fast  # late: loading the kernels is deferred to first use
 
     return t.device.type == "cpu" and fast.MIN_NUMEL <= n < 2**31 and fast.enabled() and fast.available()
 
@@ -49,7 +49,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.to(torch.uint8).reshape(-1)
     if _fast_ok(codes, n):
-        from .codecs import fast
+        from . import fast
 
         return fast.pack(codes.to(torch.uint8).reshape(-1).contiguous(), bits)
     if 8 % bits == 0:  # 1, 2, 4: whole codes per byte, uint8 arithmetic
@@ -81,7 +81,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if b.dtype != torch.uint8:
         b = b.to(torch.uint8)
     if b.numel() >= packed_nbytes(n, bits) and _fast_ok(b, n):
-        from .codecs import fast
+        from . import fast
 
         return fast.unpack(b.contiguous(), bits, n)
     if 8 % bits == 0:  # 1, 2, 4: uint8 arithmetic

@@ -1,0 +1,246 @@
+"""Collectives on one process group, driven as rounds, with byte accounting. Never imports a codec.
+
+An exchange of tensors is a *job*: a generator that issues asynchronous collectives, yields their work handles,
+and resumes when they have completed. :func:`drive` advances several jobs round by round, in the order they were
+created, so every rank issues the same collectives in the same order (no collective is ever launched from a
+future callback, which is how PyTorch's ``powerSGD_hook`` deadlocks on gloo), while the first round of each job
+overlaps with whatever the caller does before driving (the backward pass, in the DDP hook). :func:`parallel` runs
+several jobs as one; :class:`Running` is a job launched early (its first round in flight).
+
+Byte accounting (``Collectives.wire_bytes``) counts what this rank transmits under
+bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
+
+* all-reduce: 2 (W-1)/W B (reduce-scatter + all-gather);
+* all-gather: (W-1) B (each rank forwards every other rank's block once);
+* all-to-all: (W-1)/W B (every block but its own);
+* W = 1: nothing.
+
+:class:`LocalCollectives` stands in for a group without communication (a single process, or ``plan``'s
+calibration of a W-rank step's own work).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Generator, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+Job = Generator[list, None, None]
+
+
+# --------------------------------------------------------------------- serialisation
+def to_bytes(tensors: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+    """Concatenate tensors as one flat uint8 buffer (their raw bytes); empty on ``device`` if none."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Size]]:
+    return [(t.dtype, t.shape) for t in tensors]
+
+
+def from_bytes(buf: torch.Tensor, spec: Sequence[tuple[torch.dtype, torch.Size]]) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`to_bytes` for a known layout ``[(dtype, shape), ...]``: views of ``buf`` where the
+    bytes are aligned for their dtype, copies where not (e.g. float32 scales after an odd number of code bytes)."""
+    out, offset = [], 0
+    for dtype, shape in spec:
+        numel = 1
+        for s in shape:
+            numel *= s
+        size = dtype.itemsize
+        part = buf[offset : offset + numel * size]
+        if (buf.storage_offset() + offset) % size:
+            part = part.clone()
+        out.append(part.view(dtype).reshape(shape))
+        offset += numel * size
+    return tuple(out)
+
+
+def floats(payloads: Iterable) -> torch.Tensor | None:
+    """The floating-point tensors of ``payloads`` (scales, norms, kept values) as one flat tensor, or None.
+
+    For codecs that preserve non-finite values (``Codec.preserves_nonfinite``) a payload decodes to
+    something non-finite exactly when one of these is: the finiteness of a step can be read here.
+    """
+    parts = [t.reshape(-1) for p in payloads for t in p.tensors if t.is_floating_point()]
+    return torch.cat(parts) if parts else None
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --------------------------------------------------------------------- collectives
+class Collectives:
+    """Asynchronous collectives on one process group, with byte and time accounting."""
+
+    def __init__(self, process_group=None):
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.wire_bytes = 0
+        self.monitor_bytes = 0
+        self.comm_seconds = 0.0
+
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False):
+        """``monitor=True``: telemetry's exact average, counted in ``monitor_bytes``, not ``wire_bytes``."""
+        sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
+        if monitor:
+            self.monitor_bytes += sent
+        else:
+            self.wire_bytes += sent
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        return outs, dist.all_gather(outs, t, group=self.group, async_op=True)
+
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Every rank's ``t`` back to back in one tensor (rank i's at block i)."""
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return out, gather(out, t.reshape(-1), group=self.group, async_op=True)
+
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Equal splits: block j of ``t`` goes to rank j; block i of the result came from rank i."""
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
+        out = torch.empty_like(t)
+        return out, dist.all_to_all_single(out, t, group=self.group, async_op=True)
+
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+        """Uneven all-to-all: ``in_splits[j]`` elements of ``t`` go to rank j, ``out_splits[i]`` come from rank i."""
+        self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
+        out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
+        return out, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
+
+    def wait(self, works: list) -> None:
+        start = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def check_same(self, text: str, who: str) -> None:
+        """Raise on every rank unless every rank passes the same ``text`` (a configuration)."""
+        texts: list = [None] * self.world
+        dist.all_gather_object(texts, text, group=self.group)
+        if len(set(texts)) > 1:
+            lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(texts))
+            raise RuntimeError(f"{who}: ranks are configured differently, refusing to mix formats: {lines}")
+
+
+class Done:
+    """A completed work handle."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class LocalCollectives(Collectives):
+    """:class:`Collectives` without communication, as if every one of ``world`` ranks held the same
+    tensors: an all-reduce multiplies by ``world``, an all-gather repeats, an all-to-all copies.
+
+    ``world=1`` is a single process (nothing sent, nothing counted); larger worlds stand in for a
+    group in ``plan``'s calibration, to time the Python and codec work of a step alone.
+    """
+
+    def __init__(self, world: int = 1):  # noqa: D107 - no process group, deliberately not Collectives.__init__
+        self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
+        self.monitor_bytes = 0
+
+    def all_reduce(self, t, monitor: bool = False):
+        if self.world != 1:
+            t.mul_(self.world)
+        return Done()
+
+    def all_gather(self, t):
+        return [t.clone() for _ in range(self.world)], Done()
+
+    def all_gather_flat(self, t):
+        return t.reshape(-1).repeat(self.world), Done()
+
+    def all_to_all(self, t):
+        return t.clone(), Done()
+
+    def all_to_all_v(self, t, in_splits, out_splits):
+        return t.clone(), Done()
+
+    def wait(self, works) -> None:
+        pass
+
+    def check_same(self, text: str, who: str) -> None:
+        pass
+
+
+def drive(jobs: list[Job], comm: Collectives) -> None:
+    """Run jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
+    pending = []
+    for job in jobs:
+        try:
+            pending.append((job, next(job)))
+        except StopIteration:
+            pass
+    while pending:
+        still = []
+        for job, works in pending:
+            comm.wait(works)
+            try:
+                still.append((job, job.send(None)))
+            except StopIteration:
+                pass
+        pending = still
+
+
+def parallel(jobs: list[Job]) -> Job:
+    """Run several jobs side by side as one: each round issues the next collectives of all of them."""
+    active = list(jobs)
+    while active:
+        works, still = [], []
+        for job in active:
+            try:
+                works.extend(next(job))
+                still.append(job)
+            except StopIteration:
+                pass
+        if works:
+            yield works
+        active = still
+
+
+class Running:
+    """A launched job: made from a job, it runs the job to its first round (whose collectives are then in
+    flight).
+
+    :meth:`advance` waits for them and runs the job to its next round (whose collectives are then
+    in flight); :meth:`rest` is a job that continues from wherever it stands.
+    """
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.works = next(job, None)
+
+    def _resume(self) -> None:
+        """Run the job to its next round (its works, or None when it has finished)."""
+        try:
+            self.works = self.job.send(None)
+        except StopIteration:
+            self.works = None
+
+    def advance(self, comm: "Collectives") -> None:
+        if self.works is None:
+            return
+        comm.wait(self.works)
+        self._resume()
+
+    def rest(self) -> Job:
+        while self.works is not None:
+            yield self.works
+            self._resume()
+
+
+__all__ = ["Collectives", "Done", "Job", "LocalCollectives", "Running", "drive", "floats", "from_bytes", "layout",
+           "nbytes", "parallel", "to_bytes"]

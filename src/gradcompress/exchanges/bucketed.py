@@ -1,0 +1,116 @@
+"""The two-step exchange of a whole group at once, for bucketed quantisers whose codes can be cut at bucket edges.
+
+Layout: the tensors' buckets back to back (each tensor starts on a bucket edge, so no bucket holds two tensors
+and the scales are the same as encoding each tensor alone), cut into W chunks of ``ceil(buckets / W)`` buckets;
+codes and scales are two flat buffers in that layout. Each tensor is encoded once into its place (worker error
+feedback fused: ``Codec.encode_piece``); round 1, two all-to-alls (codes, scales); the chunk owner decodes the W
+payloads of its chunk, averages and re-encodes it tensor piece by tensor piece; round 2, two all-gathers into
+flat buffers, which are the group's payload in the same layout, decoded once per tensor straight into its
+output. Python work per step: O(tensors + W) calls. Finiteness: the gathered scales (every rank holds them).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from ..codecs.base import Aggregation, Codec, Payload
+from ..collectives import Collectives, Job
+
+
+class _Layout:
+    """Where each tensor's codes and scales lie in the group's buffers."""
+
+    def __init__(self, codec: Codec, inputs, world: int):
+        self.codec, self.size = codec, codec.bucket
+        self.first = [0]  # the first bucket of each tensor, then the total
+        for x in inputs:
+            self.first.append(self.first[-1] + -(-x.numel() // self.size))
+        self.per_chunk = -(-self.first[-1] // world)  # buckets per chunk
+        self.code_dtype, self.chunk_codes = codec.code_layout(self.per_chunk * self.size)
+        self.per_bucket = codec.code_layout(self.size)[1]  # whole code elements per bucket (slices_by_bucket)
+
+    def place(self, c: torch.Tensor, s: torch.Tensor, bucket: int, numel: int):
+        """The codes and scales of ``numel`` elements starting at ``bucket`` (relative to c and s)."""
+        at = bucket * self.per_bucket
+        return c[at : at + self.codec.code_layout(numel)[1]], s[bucket : bucket - (-numel // self.size)]
+
+
+def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
+                           reencode, finish) -> Job:
+    """The rounds: ``codes``/``scales`` are this rank's payload of the group (W equal chunks of whole buckets,
+    chunk j for rank j); ``reencode(mean_chunk)`` gives this rank's chunk's codes and scales;
+    ``finish(codes, scales)`` decodes the gathered payload. Each rank sends about twice its compressed size."""
+    world = comm.world
+    got_codes, w1 = comm.all_to_all(codes)
+    got_scales, w2 = comm.all_to_all(scales)
+    yield [w1, w2]
+    cn, sn = codes.numel() // world, scales.numel() // world
+    per = sn * codec.bucket
+    total = torch.empty(per, dtype=torch.float32, device=codes.device)
+    shape = torch.Size([per])
+    for i in range(world):
+        theirs = Payload((got_codes[i * cn : (i + 1) * cn], got_scales[i * sn : (i + 1) * sn]), shape,
+                         torch.float32, None, codes.device)
+        (codec.accumulate_into if i else codec.decode_into)(theirs, total)
+    mine_codes, mine_scales = reencode(total.div_(world))
+    all_codes, w1 = comm.all_gather_flat(mine_codes)
+    all_scales, w2 = comm.all_gather_flat(mine_scales)
+    yield [w1, w2]
+    finish(all_codes, all_scales)
+
+
+class BucketedExchange:
+    """One payload for the group's tensors (see the module docstring)."""
+
+    def __init__(self, comm: Collectives, codec: Codec):
+        self.comm, self.codec = comm, codec
+
+    def job(self, ctx, keys, inputs, outs, check: bool) -> Job:
+        codec, device, world = self.codec, inputs[0].device, self.comm.world
+        lay = _Layout(codec, inputs, world)
+        group = tuple(keys)
+        codes = ctx.zeroed("codes", group, world * lay.chunk_codes, lay.code_dtype, device)
+        scales = ctx.zeroed("scales", group, world * lay.per_chunk, torch.float32, device)
+        for t, (k, x) in enumerate(zip(keys, inputs)):
+            c, s = lay.place(codes, scales, lay.first[t], x.numel())
+            seed = ctx.seed(k, codec)
+            ctx.transforms.encode_piece(codec, k, x, c, s, seed)
+            if not ctx.transforms.fuses(Aggregation.REQUANTIZE):
+                ctx.transforms.delivered(k, x, lambda c=c, s=s, x=x, seed=seed: codec.decode(
+                    Payload((c, s), x.shape, torch.float32, seed, device)).float())
+
+        def finish(all_codes: torch.Tensor, all_scales: torch.Tensor) -> None:
+            if check:
+                ctx.check_values(all_scales)
+            for t, (x, out) in enumerate(zip(inputs, outs)):
+                c, s = lay.place(all_codes, all_scales, lay.first[t], x.numel())
+                codec.decode_into(Payload((c, s), x.shape, torch.float32, None, device), out)
+
+        yield from bucketed_two_step_mean(self.comm, codec, codes, scales,
+                                          lambda mean: self._reencode(ctx, lay, group, keys, inputs, mean), finish)
+
+    def _reencode(self, ctx, lay: _Layout, group, keys, inputs, mean: torch.Tensor):
+        """This rank's chunk of the averaged group, re-encoded tensor piece by tensor piece."""
+        codec, size = self.codec, lay.size
+        lo, hi = self.comm.rank * lay.per_chunk, (self.comm.rank + 1) * lay.per_chunk
+        mine_codes = ctx.zeroed("owner codes", group, lay.chunk_codes, lay.code_dtype, mean.device)
+        mine_scales = ctx.zeroed("owner scales", group, lay.per_chunk, torch.float32, mean.device)
+        first = lay.first
+        for t in range(max(0, bisect.bisect_right(first, lo) - 1), len(inputs)):
+            a, b = max(first[t], lo), min(first[t + 1], hi)
+            if a >= hi:
+                break
+            if a >= b:
+                continue
+            start = (a - first[t]) * size
+            numel = min(inputs[t].numel(), (b - first[t]) * size) - start
+            c, s = lay.place(mine_codes, mine_scales, a - lo, numel)
+            m = mean[(a - lo) * size : (a - lo) * size + numel]
+            # the noise of an element's re-encode does not depend on which rank owns it (nor on the grouping)
+            codec.encode_piece(m, None, None, c, s, ctx.seed(keys[t], codec, salt=1, shared=True), start)
+        return mine_codes, mine_scales
+
+
+__all__ = ["BucketedExchange", "bucketed_two_step_mean"]

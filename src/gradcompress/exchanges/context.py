@@ -1,0 +1,120 @@
+"""What an exchange may read and write during one step: :class:`Context`, the only writer of new state.
+
+A :class:`~gradcompress.step.Step` gives each exchange its context. Through it an exchange reads committed state
+(:meth:`Context.old`), writes new state (:meth:`Context.put`, held aside until the step commits), adds finiteness
+checks (:meth:`Context.check`), takes recycled and scratch buffers, and derives its encodes' seeds. Nothing is
+committed here: the step decides at its end from the checks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Hashable
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A 62-bit seed from integers (splitmix64 steps), the same on every machine."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h >> 2
+
+
+def key_number(key: Hashable) -> int:
+    """An integer for a state key (a parameter position, or a string such as an FSDP group's name)."""
+    return key if isinstance(key, int) else zlib.crc32(str(key).encode())
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor (no host sync): every element of ``x`` is finite.
+
+    One reduction pass: the minimum and maximum are finite exactly when every element is
+    (NaN propagates through both, +-Inf shows in one) — about 20x faster on CPU than
+    ``torch.isfinite(x).all()``, which materialises several full-size temporaries.
+    """
+    if x.numel() == 0 or not x.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+class Context:
+    """One step's view of the compressor's state, for the exchanges and transforms of that step.
+
+    ``state``: the committed :class:`~gradcompress.step.State`; ``workspace``: persistent scratch buffers (never
+    state); ``seed``: the compressor's seed; ``index``: the step's schedule position; ``rank``: this rank in the
+    group the step averages over; ``residual_dtype``: the residuals' storage type; ``monitor``: the step's
+    telemetry (:class:`gradcompress.monitor.StepMonitor`) or None.
+    """
+
+    def __init__(self, state, workspace: dict, seed: int, index: int, rank: int, residual_dtype: torch.dtype,
+                 monitor=None):
+        self.state, self.workspace, self.base_seed, self.index = state, workspace, seed, index
+        self.rank, self.residual_dtype, self.monitor = rank, residual_dtype, monitor
+        self.new: dict = {}  # (slot, key) -> new state, committed by the step's end
+        self.owned: dict = {}  # key -> this step's error-fed input, a buffer of ours (the new residual's home)
+        self.checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
+        self.transforms = None  # the step's chain (gradcompress.transforms.Transforms), set by the step
+
+    # ---------------------------------------------------------------- state
+    def old(self, slot: str, key: Hashable):
+        """The committed state of ``key`` in ``slot`` (None if there is none)."""
+        return self.state.get(slot, key)
+
+    def latest(self, slot: str, key: Hashable):
+        """This step's new state of ``key`` if set, else the committed one."""
+        got = self.new.get((slot, key))
+        return self.old(slot, key) if got is None else got
+
+    def put(self, slot: str, key: Hashable, value: torch.Tensor) -> None:
+        self.new[slot, key] = value
+
+    def check(self, flag: torch.Tensor) -> None:
+        """Add a 0-d bool (the same on every rank) to the step's finiteness decision."""
+        self.checks.append(flag)
+
+    def check_values(self, values: torch.Tensor | None) -> None:
+        """Check the finiteness of values every rank holds alike (e.g. received scales); None: nothing."""
+        if values is not None:
+            self.check(all_finite(values))
+
+    def seed(self, key: Hashable, codec, salt: int = 0, shared: bool = False) -> int:
+        """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs, or ``shared``)."""
+        rank = 0 if codec.shared_seed or shared else self.rank
+        return mix_seed(self.base_seed, key_number(key), self.index, rank, salt)
+
+    # ---------------------------------------------------------------- buffers
+    def spare(self, slot: str, key, like: torch.Tensor) -> torch.Tensor | None:
+        """The recycled buffer for a new residual shaped like ``like`` (in the residual dtype), or None."""
+        return self.state.take_spare(slot, key, like.shape, self.residual_dtype, like.device)
+
+    def new_residual(self, key, like: torch.Tensor) -> torch.Tensor:
+        """The buffer this step's new residual of ``key`` is written into: the one the last commit replaced, or new
+        (``like``'s shape, the residual dtype)."""
+        out = self.spare("residual", key, like)
+        if out is None:
+            out = torch.empty(like.shape, dtype=self.residual_dtype, device=like.device)
+        return out
+
+    def work(self, name: str, key, like: torch.Tensor) -> torch.Tensor:
+        """A persistent scratch buffer of ``like``'s layout for ``key`` (lives across steps, never state)."""
+        buf = self.workspace.get((name, key))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.workspace[name, key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buf
+
+    def zeroed(self, name: str, key, numel: int, dtype, device) -> torch.Tensor:
+        """A persistent zero-initialised buffer (reused across steps; callers write the same positions each step)."""
+        buf = self.workspace.get((name, key))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self.workspace[name, key] = torch.zeros(numel, dtype=dtype, device=device)
+        return buf
+
+
+__all__ = ["Context", "all_finite", "key_number", "mix_seed"]

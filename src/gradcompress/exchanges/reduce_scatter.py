@@ -1,0 +1,92 @@
+"""The compressed reduce-scatter (FSDP2's, through ``register_fsdp``).
+
+What is sent: ``input`` holds one chunk per rank; the whole local input goes through the transforms (momentum
+correction, worker error feedback: the residual covers the local unsharded buffer) and is encoded chunk by
+chunk; chunks travel by all-to-all ((W-1)/W of the compressed buffer; sizes first for variable-size codecs) and
+are decoded and summed by their owner. The output is final: no second quantisation, no server residual.
+Finiteness: a one-element all-reduce of a flag makes every rank's output non-finite if any rank's input was.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codecs.base import Codec, Payload
+from ..collectives import Collectives, Job, from_bytes, layout, parallel, to_bytes
+from .context import all_finite, mix_seed
+from .dense import dense_mean
+from .layout import decode_chunks
+
+
+def _exchange_sizes(comm: Collectives, template: Payload, payloads: list[Payload], parts, device):
+    """Variable-size payloads: the sizes first, then an uneven all-to-all. Yields works; returns (pieces, layouts)."""
+    world = comm.world
+    counts = torch.tensor([[t.numel() for t in p.tensors] for p in payloads], dtype=torch.int64, device=device)
+    got, work = comm.all_to_all(counts.reshape(-1))
+    yield [work]
+    got = got.view(world, -1).tolist()
+    lays = [[(t.dtype, torch.Size([n])) for t, n in zip(template.tensors, row)] for row in got]
+    sizes = [sum(n * t.element_size() for t, n in zip(template.tensors, row)) for row in got]
+    received, work = comm.all_to_all_v(torch.cat(parts), [q.numel() for q in parts], sizes)
+    yield [work]
+    return list(received.split(sizes)), lays
+
+
+def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload], out: torch.Tensor) -> Job:
+    """``payloads[j]`` is this rank's payload of chunk j (every chunk has ``out``'s numel); ``out`` receives the
+    sum of every rank's payload of this rank's chunk. Received payloads are read with this rank's own payload of
+    its chunk as the template (layout, seed): the decode must not depend on a per-rank seed."""
+    parts = [to_bytes(p.tensors, out.device) for p in payloads]
+    template = payloads[comm.rank]
+    if codec.fixed_layout:
+        received, work = comm.all_to_all(torch.cat(parts))
+        yield [work]
+        lays = [layout(template.tensors)] * comm.world
+        pieces = list(received.split(parts[comm.rank].numel()))
+    else:
+        pieces, lays = yield from _exchange_sizes(comm, template, payloads, parts, out.device)
+    out.zero_()
+    for piece, lay in zip(pieces, lays):
+        out.add_(codec.decode(template.replace(from_bytes(piece, lay))).float().reshape(out.shape))
+
+
+class ReduceScatterExchange:
+    """``output`` receives this rank's chunk of the sum over ranks of ``input``, times ``scale``."""
+
+    def __init__(self, comm: Collectives, codec: Codec | None, dense_codec: Codec):
+        self.comm, self.codec, self.dense_codec = comm, codec, dense_codec
+
+    def _encode(self, ctx, key, input: torch.Tensor):
+        """(the transformed flat input, its W chunks' payloads, the codec they were encoded with)."""
+        world, codec = self.comm.world, self.codec
+        if codec is None or codec.exact:  # dense: the chunks as they are (an all-to-all is a reduce-scatter)
+            x = input.reshape(-1)
+            if ctx.transforms.momentum is not None:
+                x = ctx.transforms.dense(key, x.clone())
+            codec, seeds = self.dense_codec, [0] * world
+        else:
+            x = ctx.transforms.input(key, input.reshape(-1))
+            seed = ctx.seed(key, codec)
+            seeds = [mix_seed(seed, j) for j in range(world)]
+        return x, [codec.encode(c, seed=s) for c, s in zip(x.view(world, -1), seeds)], codec
+
+    def job(self, ctx, key, input: torch.Tensor, output: torch.Tensor, scale: float) -> Job:
+        world = self.comm.world
+        if input.numel() != world * output.numel():
+            raise ValueError(f"gradcompress: reduce-scatter input of {input.numel()} elements is not {world} chunks "
+                             f"of the output's {output.numel()}")
+        x, payloads, codec = self._encode(ctx, key, input)
+        flag = torch.where(all_finite(x), 0.0, math.nan).reshape(1).to(torch.float32)  # before x becomes the residual
+        if codec is not self.dense_codec:
+            ctx.transforms.delivered(key, x, lambda: decode_chunks(codec, payloads, x.numel(), x.device))
+        total = torch.empty(output.numel(), dtype=torch.float32, device=output.device)
+        yield from parallel([reduce_scatter_sum(self.comm, codec, payloads, total), dense_mean(self.comm, flag)])
+        ctx.check(all_finite(flag))
+        total.mul_(scale)
+        total[:1].add_(flag)
+        output.copy_(total.view(output.shape))
+
+
+__all__ = ["ReduceScatterExchange", "reduce_scatter_sum"]
