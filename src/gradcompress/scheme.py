@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from .spec import make, parse
+from .spec import make, parse, read
 
 ONEBITADAM = "onebitadam"
 #: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam; numbers)
@@ -230,12 +230,7 @@ def split_compressor_options(spec: "str | Mapping[str, Any]") -> tuple[str, dict
     the Compressor options by name; ``ValueError`` naming the codec's and the Compressor's
     options for anything else.
     """
-    if isinstance(spec, Mapping):
-        opts = dict(spec)
-        if "name" not in opts:
-            raise ValueError("a codec dict needs a 'name' key, e.g. {'name': 'topk', 'ratio': 0.01}")
-    else:
-        opts = parse(spec)
+    opts = read(dict(spec) if isinstance(spec, Mapping) else spec)
     name = opts.pop("name")
     codec, compressor, _ = _split(name, opts, COMPRESSOR_OPTIONS)
     return codec.spec, compressor
