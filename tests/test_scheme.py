@@ -288,3 +288,16 @@ def test_library_modules_do_not_import_the_cli(module):
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- the testbed's files
+def test_testbed_result_and_log_tail(tmp_path):
+    from gradcompress import testbed
+
+    cfg = {"out": str(tmp_path / "rank0.json")}
+    testbed.write_result(cfg, {"rank": 0, "schemes": [1, 2]})
+    assert testbed._read_json(cfg["out"]) == {"rank": 0, "schemes": [1, 2]}
+    assert not (tmp_path / "rank0.json.part").exists()
+    (tmp_path / "rank1.log").write_text("".join(f"line {i}\n" for i in range(50)))
+    assert testbed.log_tail(str(tmp_path), 1, lines=3) == "line 47\nline 48\nline 49"
+    assert testbed.log_tail(str(tmp_path), 2) == ""
