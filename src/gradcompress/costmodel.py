@@ -45,8 +45,9 @@ import re
 from typing import Sequence
 
 from .exchange import chunk_numel, fills_buckets, whole_group_elements
+from .scheme import BASELINES, ONEBITADAM, Scheme
+from .scheme import parse_scheme as _parse_scheme
 
-BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
                    "topk:ratio=0.01", "powersgd:rank=1", "powersgd:rank=4")
 #: TCP/IPv4 (with timestamps) + Ethernet headers: 66 bytes per 1448-byte segment at MTU 1500
@@ -136,42 +137,14 @@ def alltoall_bytes(nbytes: int, workers: int) -> int:
 
 
 # --------------------------------------------------------------------------- schemes and payloads
-@dataclasses.dataclass(frozen=True)
-class Scheme:
-    """A scheme as ``netbench`` and ``plan`` name it: a PyTorch baseline or one of our codec specs."""
-
-    text: str
-    kind: str  # "ddp", "torch-fp16", "torch-powersgd" or "ours"
-    codec: object = None  # ours: the codec
-    rank: int = 1  # torch-powersgd: matrix_approximation_rank
-    options: tuple = ()  # ours: Compressor options given in the scheme (``int8:overlap=false``), as (name, value)
-
-    @property
-    def label(self) -> str:
-        return self.text if self.kind != "ours" else f"ours {self.text}"
-
-
 def parse_scheme(text: str) -> Scheme:
-    """``ddp``, ``torch-fp16``, ``torch-powersgd[:rank=R]`` or a codec spec; ``ValueError`` otherwise."""
-    from .spec import make, parse
-
-    text = str(text).strip()
-    name = text.partition(":")[0].strip()
-    if name in ("ddp", "torch-fp16"):
-        if text != name:
-            raise ValueError(f"{name} takes no options, got {text!r}")
-        return Scheme(text, name)
-    if name == "torch-powersgd":
-        opts = parse(text)
-        opts.pop("name")
-        rank = opts.pop("rank", 1)
-        if opts or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"torch-powersgd takes one option, rank (an integer >= 1), got {text!r}")
-        return Scheme(text, "torch-powersgd", rank=rank)
-    from .cli.task import split_scheme  # Compressor options in the scheme, as demo and train read them
-
-    codec, options = split_scheme(text)
-    return Scheme(text, "ours", codec=codec, options=tuple(sorted(options.items())))
+    """``ddp``, ``torch-fp16``, ``torch-powersgd[:rank=R]`` or a codec spec (:func:`gradcompress.scheme.parse_scheme`:
+    Compressor options by name, ``diloco=H``, which the model ignores); ``ValueError`` otherwise."""
+    scheme = _parse_scheme(text)
+    if scheme.kind == ONEBITADAM:
+        raise ValueError(f"the cost model has no model of {ONEBITADAM!r} (an optimizer that exchanges its own "
+                         f"momentum); schemes: {', '.join(BASELINES)} or a codec spec")
+    return scheme
 
 
 def numel_of(shape: Sequence[int]) -> int:

@@ -159,16 +159,21 @@ def parse(spec: str) -> dict[str, Any]:
     return out
 
 
-def make(spec: "str | dict | Any") -> Any:
-    """Build a codec from a spec string, a dict ``{"name": ..., **options}`` or a codec (returned as is)."""
-    if is_codec(spec):
-        return spec
+def read(spec: "str | dict") -> dict[str, Any]:
+    """``{"name": name, key: value, ...}`` of a spec string (:func:`parse`) or a copy of a spec dict."""
     if isinstance(spec, dict):
         options = dict(spec)
         if "name" not in options:
             raise ValueError("a codec dict needs a 'name' key, e.g. {'name': 'topk', 'ratio': 0.01}")
-    else:
-        options = parse(spec)
+        return options
+    return parse(spec)
+
+
+def make(spec: "str | dict | Any") -> Any:
+    """Build a codec from a spec string, a dict ``{"name": ..., **options}`` or a codec (returned as is)."""
+    if is_codec(spec):
+        return spec
+    options = read(spec)
     name = options.pop("name")
     cls = _REGISTRY.get(name)
     if cls is None:

@@ -6,9 +6,10 @@ shaped with ``tc`` (``tbf`` at ``--bandwidth`` in each direction, ``netem`` dela
 ``ip netns exec HOST python -m gradcompress.cli.netbench --worker CONFIG``. The workers
 form a gloo process group exactly as a multi-node launch does (``init_method=
 tcp://HOST0:PORT``, ``GLOO_SOCKET_IFNAME`` the host's veth), so every byte between them
-crosses the shaped links. Needs root and iproute2; everything (namespaces, links,
-processes) is removed on exit, on error, on Ctrl-C and on SIGTERM, and a namespace left
-by a run that was killed outright is removed by the next run.
+crosses the shaped links (the hosts, the workers and the teardown: :mod:`gradcompress.testbed`).
+Needs root and iproute2; everything (namespaces, links, processes) is removed on exit, on
+error, on Ctrl-C and on SIGTERM, and a namespace left by a run that was killed outright is
+removed by the next run.
 
 In one run, for each scheme, on the same model (same initial weights, fixed per-rank
 batches of random data): ``--warmup`` untimed steps, then ``--steps`` timed steps. Our
@@ -42,25 +43,19 @@ import datetime
 import json
 import math
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 
-from .common import CLIError, human_bytes, positive_int, split_schemes, table_lines
+from ..scheme import ONEBITADAM, Scheme, parse_scheme
+from .common import CLIError, human_bytes, one_line, positive_int, split_schemes, table_lines
 
 MODELS = ("mlp", "cnn", "tiny", "lm")
-PORT = 29500
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
 #: FSDP mode: the uncompressed baseline's name and the default schemes
 FSDP_BASELINE = "fsdp"
 FSDP_SCHEMES = (FSDP_BASELINE, "int8", "int4", "sign", "topk:ratio=0.01")
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # --------------------------------------------------------------------------- models
@@ -197,45 +192,56 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+# --------------------------------------------------------------------------- schemes
 def check_schemes(texts: list[str], fsdp: bool = False) -> list[str]:
-    from ..costmodel import parse_scheme
+    """Every scheme checked (:func:`gradcompress.scheme.parse_scheme`), as the run names it; ``CLIError``
+    (one line) for the first that netbench cannot run."""
+    return [_check_scheme(t, fsdp) for t in texts]
 
-    out = []
-    for t in texts:
-        if fsdp and t.strip() == FSDP_BASELINE:
-            out.append(FSDP_BASELINE)
-            continue
-        try:
-            if _diloco_h(t):
-                if fsdp:
-                    raise ValueError("DiLoCo schemes do not combine with --fsdp")
-                parse_scheme(_without_diloco(t))
-                out.append(t.strip())
-                continue
+
+def _check_scheme(text: str, fsdp: bool) -> str:
+    """One scheme of :func:`check_schemes`: the FSDP baseline, a PyTorch baseline, a codec spec or ``codec:diloco=H``."""
+    if fsdp and text.strip() == FSDP_BASELINE:
+        return FSDP_BASELINE
+    try:
+        scheme = parse_scheme(text)
+        if scheme.kind == ONEBITADAM:
+            raise CLIError(_unknown_scheme(text))
+        if scheme.compressed_adam:
+            raise ValueError(f"{scheme.text}: compressed_adam=true trains with CompressedAdam, which netbench does "
+                             "not run; netbench runs DDP schemes, codec specs and codec:diloco=H")
+        if scheme.diloco:
             if fsdp:
-                _check_fsdp_scheme(t)
-            out.append(parse_scheme(t).text)
-        except (ValueError, TypeError) as err:
-            msg = " ".join(str(err).split())
-            if "unknown codec" in msg:
-                import gradcompress
-
-                msg = (f"unknown scheme {t.partition(':')[0].strip()!r}; valid: ddp, torch-fp16, torch-powersgd, "
-                       f"{', '.join(gradcompress.available())}")
-            raise CLIError(msg) from None
-    return out
+                raise ValueError("DiLoCo schemes do not combine with --fsdp")
+            return scheme.text
+        if fsdp:
+            _check_fsdp_scheme(scheme)
+        return scheme.text
+    except (ValueError, TypeError) as err:
+        msg = one_line(err)
+        raise CLIError(_unknown_scheme(text) if "unknown codec" in msg else msg) from None
 
 
-def _check_fsdp_scheme(text: str) -> None:
+def _unknown_scheme(text: str) -> str:
+    import gradcompress
+
+    return (f"unknown scheme {text.partition(':')[0].strip()!r}; valid: ddp, torch-fp16, torch-powersgd, "
+            f"{', '.join(gradcompress.available())}")
+
+
+def _check_fsdp_scheme(scheme: Scheme) -> None:
     """In FSDP mode only our codecs (not PowerSGD) and the 'fsdp' baseline apply."""
     from ..adapters.fsdp import check_codec
-    from ..costmodel import parse_scheme
 
-    scheme = parse_scheme(text)
     if scheme.kind != "ours":
-        raise ValueError(f"--fsdp: {text!r} is a DDP scheme; in FSDP mode the baseline is {FSDP_BASELINE!r} and "
-                         "the others are gradcompress codec specs")
+        raise ValueError(f"--fsdp: {scheme.text!r} is a DDP scheme; in FSDP mode the baseline is {FSDP_BASELINE!r} "
+                         "and the others are gradcompress codec specs")
     check_codec(scheme.codec)
+
+
+def _diloco_h(text: str) -> int:
+    """H of a DiLoCo scheme (``int4:diloco=25``), else 0 (``text`` passed :func:`check_schemes`)."""
+    return 0 if text == FSDP_BASELINE else parse_scheme(text).diloco or 0
 
 
 # --------------------------------------------------------------------------- the parent
@@ -272,120 +278,22 @@ def run(args: argparse.Namespace) -> int:
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
           batch_size: int, threads: int | None, timeout: float, fsdp: bool = False) -> dict:
     """Build the testbed, run every scheme on every host, tear everything down; the merged result."""
-    from .. import launch, netns
+    from .. import testbed
 
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    tmp = tempfile.mkdtemp(prefix="gradcompress-netbench-")
-    bed = netns.Testbed(workers, rate_bit=rate_bit, delay_s=latency_s)
-    previous = {}
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in _SIGNALS:  # SIGINT too: a shell may have started us with SIGINT ignored
-        try:
-            previous[sig] = signal.signal(sig, on_signal)
-        except (ValueError, OSError):  # not the main thread
-            pass
-    logs = []
-    stop_echo = echo = None
+    print(f"netbench: {workers} hosts, {_fmt_rate(rate_bit)}"
+          f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
+          f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
+    settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
+                "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0))}
     try:
-        print(f"netbench: {workers} hosts, {_fmt_rate(rate_bit)}"
-              f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
-              f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
-        try:
-            bed.up()
-        except netns.NetnsError as err:
-            raise CLIError(f"could not build the test network: {err}") from None
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=bed.ifname, OMP_NUM_THREADS=str(threads),
-                   PYTHONUNBUFFERED="1")
-        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # not a torchrun child
-            env.pop(key, None)
-        for rank in range(workers):
-            cfg = {"parent": os.getpid(), "rank": rank, "world": workers, "master": bed.addresses[0], "port": PORT, "model": model,
-                   "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
-                   "threads": threads, "ifname": bed.ifname, "out": os.path.join(tmp, f"rank{rank}.json"),
-                   "fsdp": fsdp,
-                   "collective_timeout": max(60.0, min(timeout, 600.0))}
-            path = os.path.join(tmp, f"rank{rank}.cfg.json")
-            with open(path, "w") as f:
-                json.dump(cfg, f)
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            logs.append(log)
-            bed.spawn(rank, [sys.executable, "-m", "gradcompress.cli.netbench", "--worker", path], env=env,
-                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        stop_echo = threading.Event()
-        echo = threading.Thread(target=_echo_progress, args=(os.path.join(tmp, "rank0.log"), stop_echo), daemon=True)
-        echo.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in bed.procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                r = bad[0]
-                time.sleep(0.5)  # let a peer's clearer error land in its log
-                raise launch.WorkerError(r, _log_tail(tmp, r) or f"exited with code {codes[r]}")
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"netbench did not finish within {timeout:.0f} s (raise --timeout, or fewer "
-                                   f"--steps/--schemes at low --bandwidth)")
-            time.sleep(0.2)
-        records = []
-        for rank in range(workers):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                records.append(json.load(f))
-    finally:
-        try:  # a second Ctrl-C must not cut the teardown short: hold signals until it is done
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
-        except (ValueError, OSError):
-            mask = None
-        try:
-            if stop_echo is not None:
-                stop_echo.set()
-                echo.join(timeout=2)
-            errors = bed.down()
-            for log in logs:
-                log.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-            if errors:
-                print(f"netbench: teardown problems: {'; '.join(errors)}", file=sys.stderr)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        records = testbed.run_workers(
+            workers, settings, module="gradcompress.cli.netbench", rate_bit=rate_bit, delay_s=latency_s,
+            timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
+            timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)")
+    except testbed.TestbedError as err:
+        raise CLIError(str(err)) from None
     return merge(records, schemes, workers, rate_bit, latency_s, model, steps, warmup, batch_size, threads, fsdp)
-
-
-def _echo_progress(path: str, stop: threading.Event) -> None:
-    """Copy rank 0's progress lines (``netbench: ...``) from its log to stderr while the run lasts."""
-    pos = 0
-    while True:
-        done = stop.wait(0.3)
-        try:
-            with open(path) as f:
-                f.seek(pos)
-                chunk = f.read()
-        except OSError:
-            chunk = ""
-        complete = chunk[: chunk.rfind("\n") + 1]
-        pos += len(complete.encode())
-        for line in complete.splitlines():
-            if line.startswith("netbench: "):
-                print(line, file=sys.stderr, flush=True)
-        if done:
-            return
-
-
-def _log_tail(tmp: str, rank: int, lines: int = 40) -> str:
-    path = os.path.join(tmp, f"rank{rank}.log")
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
 def _fmt_rate(bit: float) -> str:
@@ -394,51 +302,12 @@ def _fmt_rate(bit: float) -> str:
     return format_rate(bit)
 
 
+# --------------------------------------------------------------------------- the report
 def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str,
           steps: int, warmup: int, batch_size: int, threads: int, fsdp: bool = False) -> dict:
     """Every rank's records into the per-scheme figures (see the module docstring)."""
-    from ..costmodel import parse_scheme, wire_bytes
-
     shapes = [tuple(s) for s in records[0]["shapes"]]
-    rows = []
-    for i, text in enumerate(schemes):
-        recs = [r["schemes"][i] for r in records]
-        n = len(recs[0]["step_seconds"])  # DiLoCo: whole intervals, maybe more than --steps
-        per_step = [max(r["step_seconds"][k] for r in recs) for k in range(n)]
-        iface = [r["iface_tx_bytes"] / n for r in recs]
-        h = _diloco_h(text)
-        if h:  # the outer exchange every H steps: per step, the mean over whole intervals
-            kind, model_bytes = "diloco", None
-        elif text == FSDP_BASELINE:  # the reduce-scatter only: (W-1)/W of the float32 gradient
-            kind = "fsdp"
-            model_bytes = (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
-        else:
-            scheme = parse_scheme(text)
-            kind = scheme.kind
-            model_bytes = wire_bytes(scheme, shapes, workers, recs[0]["bucket_cap_bytes"])
-        if recs[0]["wire_bytes"] is not None:
-            wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / n, "stats"
-        else:
-            wire, source = float(model_bytes), "model"
-        codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
-        wait = [r["comm_seconds"] for r in recs if r.get("comm_seconds") is not None]
-        rows.append({
-            "scheme": text,
-            "kind": kind,
-            "median_step_s": statistics.fmean(per_step) if h else statistics.median(per_step),
-            "step_s": per_step,
-            "iface_tx_bytes_per_step": statistics.fmean(iface),
-            "iface_tx_bytes_per_step_by_host": iface,
-            "wire_bytes_per_step": wire,
-            "wire_bytes_source": source,
-            "model_wire_bytes_per_step": model_bytes,
-            "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
-            "codec_s_per_step": statistics.fmean(codec) / n if codec else None,
-            "wait_s_per_step": statistics.fmean(wait) / n if wait else None,
-            "buckets": recs[0]["buckets"],
-            "error_feedback": recs[0]["error_feedback"],
-            "final_loss": recs[0]["loss"],
-        })
+    rows = [_row(text, [r["schemes"][i] for r in records], shapes, workers) for i, text in enumerate(schemes)]
     base = next((r for r in rows if r["scheme"] in ("ddp", FSDP_BASELINE)), None) or \
         next((r for r in rows if r["scheme"] == "none"), None)
     for r in rows:
@@ -469,6 +338,51 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
         "torch_powersgd_bucket_cap_mb": records[0]["one_bucket_cap_mb"],
         "schemes": rows,
     }
+
+
+def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int) -> dict:
+    """One scheme's figures from every rank's record of it (``speedup`` is added by :func:`merge`)."""
+    n = len(recs[0]["step_seconds"])  # DiLoCo: whole intervals, maybe more than --steps
+    per_step = [max(r["step_seconds"][k] for r in recs) for k in range(n)]
+    iface = [r["iface_tx_bytes"] / n for r in recs]
+    h = _diloco_h(text)
+    kind, model_bytes = _model_wire_bytes(text, h, shapes, workers, recs[0]["bucket_cap_bytes"])
+    if recs[0]["wire_bytes"] is not None:
+        wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / n, "stats"
+    else:
+        wire, source = float(model_bytes), "model"
+    codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
+    wait = [r["comm_seconds"] for r in recs if r.get("comm_seconds") is not None]
+    return {
+        "scheme": text,
+        "kind": kind,
+        "median_step_s": statistics.fmean(per_step) if h else statistics.median(per_step),
+        "step_s": per_step,
+        "iface_tx_bytes_per_step": statistics.fmean(iface),
+        "iface_tx_bytes_per_step_by_host": iface,
+        "wire_bytes_per_step": wire,
+        "wire_bytes_source": source,
+        "model_wire_bytes_per_step": model_bytes,
+        "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
+        "codec_s_per_step": statistics.fmean(codec) / n if codec else None,
+        "wait_s_per_step": statistics.fmean(wait) / n if wait else None,
+        "buckets": recs[0]["buckets"],
+        "error_feedback": recs[0]["error_feedback"],
+        "final_loss": recs[0]["loss"],
+    }
+
+
+def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, bucket_cap: int | None):
+    """(kind, the cost model's bytes per step or None) of a scheme: DiLoCo's outer exchange every H steps
+    has no model (None); the FSDP baseline's reduce-scatter sends (W-1)/W of the float32 gradient."""
+    from ..costmodel import parse_scheme as cost_scheme, wire_bytes
+
+    if h:
+        return "diloco", None
+    if text == FSDP_BASELINE:
+        return "fsdp", (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
+    scheme = cost_scheme(text)
+    return scheme.kind, wire_bytes(scheme, shapes, workers, bucket_cap)
 
 
 def _effective_bandwidth(records: list[dict], workers: int) -> float | None:
@@ -518,29 +432,12 @@ def format_table(result: dict) -> str:
 
 
 # --------------------------------------------------------------------------- the worker
-def _watch_parent(parent: int) -> None:
-    """Exit when the parent (netbench, pid ``parent``) is gone, so that no worker outlives a killed run."""
-
-    def loop():
-        while True:
-            if os.getppid() != parent:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=loop, daemon=True).start()
-
-
 def _no_communication_hook(state, bucket):
     import torch
 
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
-
-
-def _read_tx(ifname: str) -> int:
-    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
-        return int(f.read())
 
 
 def _median_step(name, net, opt, x, y, steps: int = 7, skip: int = 2) -> float:
@@ -560,12 +457,11 @@ def _median_step(name, net, opt, x, y, steps: int = 7, skip: int = 2) -> float:
 
 
 def _worker(cfg: dict) -> None:
+    """One host's part of the run: the machine's figures, then every scheme; the result for :func:`merge`."""
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
 
-    import gradcompress
-    from ..costmodel import default_error_feedback, parse_scheme
+    from .. import testbed
 
     rank, world = cfg["rank"], cfg["world"]
     torch.set_num_threads(cfg["threads"])
@@ -574,15 +470,36 @@ def _worker(cfg: dict) -> None:
     name = cfg["model"]
     x, y = _batch(name, cfg["batch_size"], rank)
     shapes = [list(p.shape) for p in build_model(name).parameters()]
-    model_bytes = sum(4 * math.prod(s) for s in shapes)
-    one_bucket_mb = int(model_bytes / 2**20) + 2
+    one_bucket_mb = int(sum(4 * math.prod(s) for s in shapes) / 2**20) + 2
+    figures = _machine_figures(name, x, y, rank)
+    records = [_scheme_record(cfg, i, text, x, y, one_bucket_mb) for i, text in enumerate(cfg["schemes"])]
+    testbed.write_result(cfg, {"rank": rank, **figures, "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
+                               "schemes": records})
+    dist.barrier()
+    dist.destroy_process_group()
 
-    # compute alone: every worker at once, in lockstep, no communication
+
+def _machine_figures(name: str, x, y, rank: int) -> dict:
+    """Compute alone (every worker at once, and rank 0 alone), a DDP step that sends nothing, and the
+    network as gloo sees it (a 4-byte and an 8 MB all-reduce)."""
+    import torch
+
     model = build_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    compute_s = _median_step(name, model, opt, x, y)
-    # the same on rank 0 alone (the others wait in a barrier): compute_s / solo_s is the slowdown that
-    # sharing the CPU cores costs (plan --contention)
+    compute_s = _median_step(name, model, opt, x, y)  # every worker at once, in lockstep, no communication
+    solo_s = _solo_step(name, model, opt, x, y, rank)
+    del model, opt
+    ddp_floor_s = _ddp_floor(name, x, y)
+    small_s, big_s = _allreduce_times()
+    return {"compute_s": compute_s, "compute_solo_s": solo_s, "ddp_floor_s": ddp_floor_s,
+            "allreduce_small_s": small_s, "allreduce_8mb_s": big_s}
+
+
+def _solo_step(name: str, model, opt, x, y, rank: int) -> float | None:
+    """Median step time on rank 0 alone (the others wait in a barrier): compute_s / this is the slowdown
+    that sharing the CPU cores costs (``plan --contention``); None on the other ranks."""
+    import torch.distributed as dist
+
     times = []
     for k in range(5):
         dist.barrier()
@@ -595,132 +512,154 @@ def _worker(cfg: dict) -> None:
                 times.append(time.perf_counter() - start)
     solo_s = statistics.median(times) if times else None
     dist.barrier()
-    del model, opt
+    return solo_s
 
-    # the floor of every scheme: a DDP step whose hook sends nothing (DDP's own copies and bookkeeping)
+
+def _ddp_floor(name: str, x, y) -> float:
+    """The floor of every scheme: a DDP step whose hook sends nothing (DDP's own copies and bookkeeping)."""
+    import torch
+    import torch.nn as nn
+
     model = build_model(name)
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, _no_communication_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ddp_floor_s = _median_step(name, ddp, opt, x, y)
-    del ddp, model, opt
+    return _median_step(name, ddp, opt, x, y)
 
-    # the network as gloo sees it: a 4-byte all-reduce (2(W-1) message steps) and an 8 MB one
-    small = torch.zeros(1)
-    times = []
-    for k in range(12):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(small)
-        if k >= 2:
-            times.append(time.perf_counter() - start)
-    small_s = statistics.median(times)
-    big = torch.zeros(2 * 2**20)
-    times = []
-    for k in range(3):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(big)
-        times.append(time.perf_counter() - start)
-    big_s = statistics.median(times)
 
-    records = []
-    for i, text in enumerate(cfg["schemes"]):
-        model = build_model(name)
-        diloco = _diloco_h(text)
-        opt = None
-        if cfg.get("fsdp"):
-            ddp, comp, ef, cap_mb = _fsdp_setup(model, text)
-            scheme = None
-        elif diloco:
-            ddp, comp, ef, cap_mb, opt = _diloco_setup(model, text, diloco)
-            scheme = None
-        else:
-            scheme = parse_scheme(text)
-            cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
-            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-            comp = None
-            ef = default_error_feedback(scheme)
-        if scheme is None:
-            pass
-        elif scheme.kind == "torch-fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def _allreduce_times() -> tuple[float, float]:
+    """Median times of a 4-byte all-reduce (2(W-1) message steps) and of an 8 MB one."""
+    import torch
+    import torch.distributed as dist
 
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif scheme.kind == "torch-powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
-                                                start_powerSGD_iter=2)
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif scheme.kind == "ours":
-            comp = gradcompress.Compressor(scheme.codec, **{"warmup_steps": COMPRESSOR_WARMUP, "error_feedback": ef,
-                                                            "seed": 0, **dict(scheme.options)})
-            comp.register(ddp)
-        if opt is None:
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> float:
-            opt.zero_grad(set_to_none=True)
-            loss = _loss(name, ddp(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()
-
-        warmup, timed = cfg["warmup"], cfg["steps"]
-        if diloco:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
-            warmup, timed = diloco, diloco * -(-timed // diloco)
-        for _ in range(warmup):
-            step()
-        dist.barrier()  # every earlier byte has crossed the links (peers received it)
-        time.sleep(0.05)  # and the last ACKs too
-        tx0 = _read_tx(cfg["ifname"])
-        st0 = comp.stats() if comp else None
-        step_times = []
-        loss = float("nan")
-        for _ in range(timed):
+    def timed(tensor, rounds: int, skip: int) -> float:
+        times = []
+        for k in range(rounds):
+            dist.barrier()
             start = time.perf_counter()
-            loss = step()
-            step_times.append(time.perf_counter() - start)
-        st1 = comp.stats() if comp else None
-        # a collective is complete here once its bytes are in the socket buffers, not yet through the shaped
-        # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
-        dist.barrier()
-        time.sleep(0.05)
-        tx1 = _read_tx(cfg["ifname"])
-        if diloco:
-            buckets = 0  # no DDP: one outer exchange of every parameter per interval
-        elif cfg.get("fsdp"):
-            buckets = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
-        else:
-            logging = ddp._get_ddp_logging_data()
-            sizes = str(logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes") or "")
-            buckets = len([s for s in sizes.split(",") if s.strip()])
-        records.append({
-            "scheme": text,
-            "step_seconds": step_times,
-            "iface_tx_bytes": tx1 - tx0,
-            "wire_bytes": None if comp is None else st1["wire_bytes"] - st0["wire_bytes"],
-            "codec_seconds": None if comp is None else st1["codec_seconds"] - st0["codec_seconds"],
-            "comm_seconds": None if comp is None else st1["comm_seconds"] - st0["comm_seconds"],
-            "buckets": buckets,
-            "bucket_cap_bytes": None if cap_mb is None else cap_mb * 2**20,
-            "error_feedback": ef,
-            "loss": loss if math.isfinite(loss) else None,
-        })
-        if rank == 0:
-            print(f"netbench: [{i + 1}/{len(cfg['schemes'])}] {text}: "
-                  f"{1e3 * statistics.median(step_times):.1f} ms/step (median), "
-                  f"{(tx1 - tx0) / timed / 1e6:.2f} MB/step sent by host 0", file=sys.stderr, flush=True)
-        del ddp, comp, opt, model
-        dist.barrier()
-    with open(cfg["out"] + ".part", "w") as f:
-        json.dump({"rank": rank, "compute_s": compute_s, "compute_solo_s": solo_s, "ddp_floor_s": ddp_floor_s, "allreduce_small_s": small_s, "allreduce_8mb_s": big_s,
-                   "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
-                   "schemes": records}, f)
-    os.replace(cfg["out"] + ".part", cfg["out"])
+            dist.all_reduce(tensor)
+            if k >= skip:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return timed(torch.zeros(1), 12, 2), timed(torch.zeros(2 * 2**20), 3, 0)
+
+
+def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket_mb: int) -> dict:
+    """Set up scheme ``text`` on a fresh model, take the warm-up and the timed steps; this rank's record."""
+    import torch
+    import torch.distributed as dist
+
+    name = cfg["model"]
+    model = build_model(name)
+    h = _diloco_h(text)
+    net, comp, ef, cap_mb, opt = _setup(cfg, model, text, h, one_bucket_mb)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(name, net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    warmup, timed = cfg["warmup"], cfg["steps"]
+    if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
+        warmup, timed = h, h * -(-timed // h)
+    record = _timed_steps(cfg["ifname"], step, comp, warmup, timed)
+    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), error_feedback=ef,
+                  bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
+    if cfg["rank"] == 0:
+        print(f"netbench: [{i + 1}/{len(cfg['schemes'])}] {text}: "
+              f"{1e3 * statistics.median(record['step_seconds']):.1f} ms/step (median), "
+              f"{record['iface_tx_bytes'] / timed / 1e6:.2f} MB/step sent by host 0", file=sys.stderr, flush=True)
+    del net, comp, opt, model
     dist.barrier()
-    dist.destroy_process_group()
+    return record
+
+
+def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
+    """``warmup`` untimed steps, then ``timed`` timed ones: their times, the interface's bytes and the
+    Compressor's counters over them, the last loss."""
+    import torch.distributed as dist
+
+    from ..testbed import read_tx_bytes
+
+    for _ in range(warmup):
+        step()
+    dist.barrier()  # every earlier byte has crossed the links (peers received it)
+    time.sleep(0.05)  # and the last ACKs too
+    tx0 = read_tx_bytes(ifname)
+    st0 = comp.stats() if comp else None
+    step_times = []
+    loss = float("nan")
+    for _ in range(timed):
+        start = time.perf_counter()
+        loss = step()
+        step_times.append(time.perf_counter() - start)
+    st1 = comp.stats() if comp else None
+    # a collective is complete here once its bytes are in the socket buffers, not yet through the shaped
+    # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
+    dist.barrier()
+    time.sleep(0.05)
+    tx1 = read_tx_bytes(ifname)
+
+    def delta(key):
+        return None if comp is None else st1[key] - st0[key]
+
+    return {"step_seconds": step_times, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
+            "codec_seconds": delta("codec_seconds"), "comm_seconds": delta("comm_seconds"),
+            "loss": loss if math.isfinite(loss) else None}
+
+
+def _bucket_count(cfg: dict, model, net, h: int) -> int:
+    """Buckets a step of the scheme sends: DiLoCo 0 (one outer exchange of every parameter per interval),
+    FSDP its sharded modules, DDP its (rebuilt) buckets."""
+    if h:
+        return 0
+    if cfg.get("fsdp"):
+        return sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    logging = net._get_ddp_logging_data()
+    sizes = str(logging.get("rebuilt_bucket_sizes") or logging.get("bucket_sizes") or "")
+    return len([s for s in sizes.split(",") if s.strip()])
+
+
+def _setup(cfg: dict, model, text: str, h: int, one_bucket_mb: int):
+    """The model wrapped for scheme ``text``: (net, Compressor or None, error feedback, bucket cap in MB or
+    None, optimizer or None for plain SGD)."""
+    if cfg.get("fsdp"):
+        return (*_fsdp_setup(model, text), None)
+    if h:
+        return _diloco_setup(model, parse_scheme(text))
+    return (*_ddp_setup(model, parse_scheme(text), one_bucket_mb), None)
+
+
+def _ddp_setup(model, scheme: Scheme, one_bucket_mb: int):
+    """DDP with the scheme's hook: PyTorch's for the baselines (powerSGD_hook with one bucket), ours otherwise."""
+    import torch.nn as nn
+
+    import gradcompress
+    from ..costmodel import default_error_feedback
+
+    cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+    comp = None
+    if scheme.kind == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif scheme.kind == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif scheme.kind == "ours":
+        comp = gradcompress.Compressor(scheme.codec, **{"warmup_steps": COMPRESSOR_WARMUP,
+                                                        "error_feedback": default_error_feedback(scheme),
+                                                        "seed": 0, **scheme.compressor})
+        comp.register(ddp)
+    return ddp, comp, default_error_feedback(scheme), cap_mb
 
 
 def _fsdp_setup(model, text: str):
@@ -739,46 +678,26 @@ def _fsdp_setup(model, text: str):
     return model, comp, comp.error_feedback, None
 
 
-def _without_diloco(text: str) -> str:
-    from ..spec import parse
-
-    opts = parse(text)
-    opts.pop("diloco", None)
-    name = opts.pop("name")
-    return name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
-
-
-def _diloco_h(text: str) -> int:
-    """H of a DiLoCo scheme (``int4:diloco=25``), else 0."""
-    from ..spec import parse
-
-    h = parse(text).get("diloco") if text not in ("ddp", FSDP_BASELINE) else None
-    return h if isinstance(h, int) and not isinstance(h, bool) and h > 0 else 0
-
-
-def _diloco_setup(model, text: str, h: int):
-    """DiLoCo over plain SGD (lr 1e-3, as the other schemes' optimizer), the outer gradient through the codec."""
+def _diloco_setup(model, scheme: Scheme):
+    """DiLoCo over plain SGD (lr 1e-3, as the other schemes' optimizer), the outer gradient through the codec
+    (with the scheme's ``error_feedback``, as ``gradcompress train`` runs it)."""
     import torch
 
     from ..optim import DiLoCo
-    from ..spec import parse
 
-    opts = parse(text)
-    opts.pop("diloco")
-    name = opts.pop("name")
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=h, codec={"name": name, **opts})
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=scheme.diloco, codec=scheme.codec,
+                 error_feedback=scheme.compressor.get("error_feedback", "auto"))
     return model, opt.compressor, opt.compressor.error_feedback, None, opt
 
 
 def worker_main(argv: list[str]) -> int:
+    from ..testbed import worker_config
+
     if len(argv) != 2 or argv[0] != "--worker":
         print("usage: python -m gradcompress.cli.netbench --worker CONFIG.json (started by gradcompress netbench)",
               file=sys.stderr)
         return 2
-    with open(argv[1]) as f:
-        cfg = json.load(f)
-    _watch_parent(cfg["parent"])  # first: a parent killed while we import torch is noticed too
-    _worker(cfg)
+    _worker(worker_config(argv[1]))
     return 0
 
 

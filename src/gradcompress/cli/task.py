@@ -32,23 +32,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..spec import parse
+from ..scheme import BASELINES, ONEBITADAM, ONEBITADAM_OPTIONS, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme, \
+    parse_scheme, scheme_name  # noqa: F401  (re-exported for the CLI)
 from .common import CLIError, check_out_dir, human_bytes, one_line  # noqa: F401  (re-exported for the CLI)
 
-ONEBITADAM = "onebitadam"
-#: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam)
-ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps")
 IN_FEATURES, CLASSES = 64, 10
 
 
 # --------------------------------------------------------------------------- configuration
 #: scheme options that configure the run: ``int4:diloco=25`` trains with DiLoCo, H = 25, int4 outer gradients;
 #: ``topk:ratio=0.01,compressed_adam=true`` trains with CompressedAdam (Adam's momentum through the codec)
-RUN_OPTIONS = ("diloco", "compressed_adam")
+RUN_OPTIONS = SCHEME_OPTIONS
 TASK_NAMES = ("digits", "lm")
 #: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
-COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule", "ramp_steps",
-                      "overlap")
+COMPRESSOR_OPTIONS = SCHEME_COMPRESSOR_OPTIONS
 
 
 @dataclasses.dataclass
@@ -80,20 +77,23 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
             raise CLIError(f"unknown task {self.task!r}; tasks: {', '.join(TASK_NAMES)}")
-        if self.kind() != ONEBITADAM:
-            h = parse(self.scheme).get("diloco")
-            if h is not None:
-                if isinstance(h, bool) or not isinstance(h, int) or h < 1:
-                    raise CLIError(f"diloco must be an integer >= 1 (inner steps per sync), got {h!r}")
-                self.diloco = h
+        h = self.parsed().diloco
+        if h is not None:
+            self.diloco = h
+
+    def parsed(self) -> Scheme:
+        """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
+        return parse_run_scheme(self.scheme)
 
     def kind(self) -> str:
         """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges) or ``"sgd"`` (a Compressor hook)."""
-        return ONEBITADAM if is_adam_scheme(self.scheme) else "sgd"
+        scheme = self.parsed()
+        return ONEBITADAM if scheme.kind == ONEBITADAM or scheme.compressed_adam else "sgd"
 
     def compressor(self):
         """The :class:`gradcompress.Compressor` arguments of this run: (codec, options)."""
-        codec, options = split_scheme(self.scheme)
+        scheme = self.parsed()
+        codec, options = scheme.codec, scheme.compressor
         options.setdefault("error_feedback", self.error_feedback)
         options.setdefault("min_numel", self.min_numel)
         return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
@@ -110,11 +110,8 @@ class RunConfig:
 
     def onebitadam_options(self) -> dict:
         """Keyword arguments of OneBitAdam, or of CompressedAdam (then with ``codec``)."""
-        if scheme_name(self.scheme) == ONEBITADAM:
-            opts = parse(self.scheme)
-            opts.pop("name")
-        else:
-            opts = {"codec": split_scheme(self.scheme)[0].spec}
+        scheme = self.parsed()
+        opts = scheme.adam if scheme.kind == ONEBITADAM else {"codec": scheme.codec.spec}
         opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
         opts.setdefault("warmup_steps", self.adam_warmup if self.adam_warmup is not None
                         else max(self.warmup_steps, self.steps // 5))
@@ -142,87 +139,62 @@ class RunConfig:
         return f"{outer}SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
 
 
-def scheme_name(scheme: str) -> str:
-    return scheme.strip().partition(":")[0].strip()
+def valid_schemes() -> str:
+    """The scheme names demo and train take, for error messages."""
+    import gradcompress
+
+    return ", ".join(gradcompress.available() + [ONEBITADAM])
+
+
+def parse_run_scheme(scheme: str) -> Scheme:
+    """A demo/train scheme (a codec spec with options, or onebitadam), parsed; ``CLIError`` (one line,
+    listing the valid schemes for an unknown or empty one) if it is wrong."""
+    if not isinstance(scheme, str) or not scheme.strip():
+        raise CLIError(f"empty scheme; valid schemes: {valid_schemes()}")
+    unknown = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid_schemes()}"
+    if scheme_name(scheme) in BASELINES:  # PyTorch's own DDP schemes: netbench and plan only
+        raise CLIError(unknown)
+    try:
+        return parse_scheme(scheme)
+    except ValueError as err:
+        msg = one_line(err)
+        raise CLIError(unknown if "unknown codec" in msg else msg) from None
 
 
 def is_adam_scheme(scheme: str) -> bool:
     """True for ``onebitadam`` and for ``<codec spec>,compressed_adam=true`` (the optimizer exchanges itself)."""
-    if scheme_name(scheme) == ONEBITADAM:
-        return True
     try:
-        return parse(scheme).get("compressed_adam") is True
-    except ValueError:
+        parsed = parse_run_scheme(scheme)
+    except CLIError:
         return False
+    return parsed.kind == ONEBITADAM or parsed.compressed_adam
 
 
 def split_scheme(scheme: str):
     """``"sign:bucket=256,momentum=0.9"`` -> (the sign codec with bucket 256, ``{"momentum": 0.9}``).
 
     Options the codec has go to the codec (``dgc:momentum=...`` is DGC's own); the others,
-    if they are :data:`COMPRESSOR_OPTIONS`, to the Compressor. ``ValueError`` otherwise.
+    if they are :data:`COMPRESSOR_OPTIONS`, to the Compressor (:func:`gradcompress.scheme.parse_scheme`).
+    ``ValueError`` otherwise.
     """
-    import dataclasses as dc
-
-    import gradcompress
-
-    opts = parse(scheme)
-    name = opts.pop("name")
-    for key in RUN_OPTIONS:
-        opts.pop(key, None)
-    codec_fields = {f.name for f in dc.fields(gradcompress.make(name)) if f.init}
-    compressor = {k: opts.pop(k) for k in list(opts) if k not in codec_fields and k in COMPRESSOR_OPTIONS}
-    codec = gradcompress.make({"name": name, **opts})
-    if "error_feedback" in compressor and compressor["error_feedback"] not in (True, False, "auto"):
-        raise ValueError(f"error_feedback must be true, false or auto, got {compressor['error_feedback']!r}")
-    return codec, compressor
+    parsed = parse_scheme(scheme)
+    if parsed.kind != "ours":
+        raise ValueError(f"{scheme_name(scheme)!r} is not a codec spec")
+    return parsed.codec, parsed.compressor
 
 
 def check_scheme(scheme: str) -> str:
     """The canonical spec of ``scheme``; ``CLIError`` (one line, listing valid schemes) if it is wrong."""
     import gradcompress
 
-    valid = ", ".join(gradcompress.available() + [ONEBITADAM])
-    if not isinstance(scheme, str) or not scheme.strip():
-        raise CLIError(f"empty scheme; valid schemes: {valid}")
-    if scheme_name(scheme) == ONEBITADAM:
-        try:
-            opts = parse(scheme)
-        except ValueError as err:
-            raise CLIError(one_line(err)) from None
-        bad = [k for k in opts if k != "name" and k not in ONEBITADAM_OPTIONS]
-        if bad:
-            raise CLIError(f"onebitadam: unknown option {bad[0]!r}; options of onebitadam: "
-                           f"{', '.join(ONEBITADAM_OPTIONS)}")
-        for k, v in opts.items():
-            if k != "name" and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise CLIError(f"onebitadam: {k} must be a number, got {v!r}")
-        return scheme.strip()
+    parsed = parse_run_scheme(scheme)
+    if parsed.kind == ONEBITADAM:
+        return parsed.text
     try:
-        codec, options = split_scheme(scheme)
-        gradcompress.Compressor(codec, **options)  # checks the Compressor's options too
+        gradcompress.Compressor(parsed.codec, **parsed.compressor)  # checks the Compressor's options too
     except (ValueError, TypeError) as err:
-        msg = one_line(err)
-        if "unknown codec" in msg:
-            msg = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid}"
-        raise CLIError(msg) from None
-    run = {k: v for k, v in parse(scheme).items() if k in RUN_OPTIONS}
-    if "compressed_adam" in run:
-        if not isinstance(run["compressed_adam"], bool):
-            raise CLIError(f"compressed_adam must be true or false, got {run['compressed_adam']!r}")
-        if run["compressed_adam"]:
-            if options or "diloco" in run:
-                extra = ", ".join(list(options) + (["diloco"] if "diloco" in run else []))
-                raise CLIError(f"compressed_adam=true: CompressedAdam exchanges Adam's momentum itself; the option(s) "
-                               f"{extra} do not apply (only the codec's own options do)")
-            if codec.carries_momentum:
-                raise CLIError(f"compressed_adam=true: {codec.name} keeps its own momentum; use topk")
-        else:
-            run.pop("compressed_adam")
-    if "diloco" in run and (isinstance(run["diloco"], bool) or not isinstance(run["diloco"], int) or run["diloco"] < 1):
-        raise CLIError(f"diloco must be an integer >= 1 (inner steps per sync), got {run['diloco']!r}")
-    extra = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in {**options, **run}.items())
-    return codec.spec + ((":" if ":" not in codec.spec else ",") + extra if extra else "")
+        raise CLIError(one_line(err)) from None
+    return parsed.canonical()
 
 
 def onebitadam_problem() -> str | None:
