@@ -42,6 +42,44 @@ def _check_bool(name: str, value, auto: bool = False):
     raise ValueError(f"Compressor: {name} must be {allowed}, got {value!r}")
 
 
+_UNSET = object()  # an option not given as a keyword
+#: the Compressor's options and their defaults (each may also be given in the spec string, by name)
+DEFAULTS = dict(error_feedback="auto", server_error_feedback=False, momentum=0.0, warmup_steps=0, min_numel=1024,
+                seed=0, collective="auto", schedule=None, ramp_steps=0, residual_dtype=torch.float32,
+                monitor_every=0, overlap=False)
+
+
+def _options(spec, given: dict):
+    """(codec spec, every option): a spec string or dict may carry Compressor options by name, as the CLI and the
+    README write schemes (``"topk:ratio=0.01,momentum=0.9"``); an option given there and as a keyword too is a
+    ``ValueError``. A codec object is taken as it is."""
+    if isinstance(spec, (str, dict)):
+        from .scheme import merge_compressor_options, split_compressor_options
+
+        codec_spec, from_spec = split_compressor_options(spec)
+        if from_spec:
+            given = merge_compressor_options(from_spec, given, spec=spec)
+            spec = codec_spec
+    return spec, {**DEFAULTS, **given}
+
+
+def _validate(o: dict) -> None:
+    """``ValueError`` naming the option and what is allowed, for a bad value."""
+    if o["collective"] not in COLLECTIVES:
+        raise ValueError(f"Compressor: collective must be one of {', '.join(COLLECTIVES)}, got {o['collective']!r}")
+    if o["schedule"] not in SCHEDULES:
+        raise ValueError(f"Compressor: schedule must be None or 'exp', got {o['schedule']!r}")
+    _check_bool("error_feedback", o["error_feedback"], auto=True)
+    _check_bool("server_error_feedback", o["server_error_feedback"])
+    _check_bool("overlap", o["overlap"])
+    m = o["momentum"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+        raise ValueError(f"Compressor: momentum must be a number in [0, 1), got {m!r}")
+    if o["residual_dtype"] not in RESIDUAL_DTYPES:
+        raise ValueError(f"Compressor: residual_dtype must be one of "
+                         f"{', '.join(str(d) for d in RESIDUAL_DTYPES)}, got {o['residual_dtype']!r}")
+
+
 def default_group():
     """The default process group, or None when ``torch.distributed`` is not initialised."""
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -94,41 +132,35 @@ class Compressor:
             way; every rank must use the same setting (checked).
     """
 
-    def __init__(self, spec, *, process_group=None, error_feedback="auto", server_error_feedback: bool = False,
-                 momentum: float = 0.0, warmup_steps: int = 0, min_numel: int = 1024, seed: int = 0,
-                 collective: str = "auto", schedule: str | None = None, ramp_steps: int = 0,
-                 residual_dtype: torch.dtype = torch.float32, monitor_every: int = 0, overlap: bool = False):
+    def __init__(self, spec, *, process_group=None, error_feedback=_UNSET, server_error_feedback=_UNSET,
+                 momentum=_UNSET, warmup_steps=_UNSET, min_numel=_UNSET, seed=_UNSET, collective=_UNSET,
+                 schedule=_UNSET, ramp_steps=_UNSET, residual_dtype=_UNSET, monitor_every=_UNSET, overlap=_UNSET):
+        given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not _UNSET}
+        spec, o = _options(spec, given)
         self.codec = make(spec)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"Compressor: collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Compressor: schedule must be None or 'exp', got {schedule!r}")
-        _check_bool("error_feedback", error_feedback, auto=True)
-        _check_bool("server_error_feedback", server_error_feedback)
-        _check_bool("overlap", overlap)
-        self.overlap = overlap
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Compressor: momentum must be a number in [0, 1), got {momentum!r}")
-        if residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"Compressor: residual_dtype must be one of "
-                             f"{', '.join(str(d) for d in RESIDUAL_DTYPES)}, got {residual_dtype!r}")
+        _validate(o)
+        self.overlap = o["overlap"]
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.codec.spec})"  # DDP logs hook names
-        if error_feedback is True and self.codec.unbiased:
+        if o["error_feedback"] is True and self.codec.unbiased:
             warnings.warn(f"gradcompress: error feedback with the unbiased codec {self.codec.name!r} accumulates "
                           "its variance and can diverge; leave error_feedback='auto' (off for it)", stacklevel=2)
         self.process_group = process_group
-        self.error_feedback: bool = self.codec.wants_error_feedback if error_feedback == "auto" else error_feedback
-        self.server_error_feedback = server_error_feedback
-        self.momentum = float(momentum)
+        feedback = o["error_feedback"]
+        self.error_feedback: bool = self.codec.wants_error_feedback if feedback == "auto" else feedback
+        self.server_error_feedback = o["server_error_feedback"]
+        self.momentum = float(o["momentum"])
         self.momentum_correction, self.clip = self._momentum_stage()
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.min_numel = _check_int("min_numel", min_numel, 0)
-        self.seed = _check_int("seed", seed, 0)
-        self.collective = collective
-        self.schedule = schedule
-        self.ramp_steps = _check_int("ramp_steps", ramp_steps, 0)
-        self.residual_dtype = residual_dtype
-        self.monitor_every = _check_int("monitor_every", monitor_every, 0)
+        self.warmup_steps = _check_int("warmup_steps", o["warmup_steps"], 0)
+        self.min_numel = _check_int("min_numel", o["min_numel"], 0)
+        self.seed = _check_int("seed", o["seed"], 0)
+        self.collective, self.schedule = o["collective"], o["schedule"]
+        self.ramp_steps = _check_int("ramp_steps", o["ramp_steps"], 0)
+        self.residual_dtype = o["residual_dtype"]
+        self.monitor_every = _check_int("monitor_every", o["monitor_every"], 0)
+        self._runtime()
+
+    def _runtime(self) -> None:
+        """What a Compressor holds besides its configuration: state, buffers, telemetry, counters."""
         self.telemetry = Telemetry(self.error_feedback)
         #: the codec of dense steps on paths that encode anyway (the FSDP reduce-scatter)
         self.dense_codec = make("none")

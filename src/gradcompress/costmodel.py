@@ -44,7 +44,7 @@ import math
 import re
 from typing import Sequence
 
-from .exchange import chunk_numel, fills_buckets, whole_group_elements
+from .exchanges.layout import chunk_numel, fills_buckets, whole_group_elements
 from .scheme import BASELINES, ONEBITADAM, Scheme
 from .scheme import parse_scheme as _parse_scheme
 
@@ -263,7 +263,7 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
         if W == 1:
             return [("allreduce", dense_bytes, 0)]
         numels = [numel_of(shapes[i]) for i in comp]
-        grouped = hasattr(codec, "slices_by_bucket") and codec.slices_by_bucket()
+        grouped = codec.slices_by_bucket()
         whole = [n for n in numels if grouped and fills_buckets(n, codec.bucket)]  # one payload for these
         per_rank = payload_bytes(codec, whole_group_elements(whole, codec.bucket, W) // W) if whole else 0
         per_rank += sum(payload_bytes(codec, chunk_numel(n, W)) for n in numels
