@@ -45,6 +45,7 @@ import threading
 import time
 
 from .common import nonnegative_int, positive_float, positive_int, split_schemes  # noqa: F401
+from .report import plot
 from .task import (ONEBITADAM, TASK_NAMES, TASKS, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
                    onebitadam_problem, scheme_name, summarize)
 
@@ -267,63 +268,3 @@ def format_table(runs: list[dict], workers: int) -> str:
         "train loss: over the whole training split after the last step; vs none: test accuracy difference in "
         "points"))
     return "\n".join(lines)
-
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def plot(runs: list[dict], path: str, workers: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(25, 5.8), gridspec_kw={"width_ratios": [1, 1, 1, 1.1]})
-    cmap = plt.get_cmap("tab20")
-    steps = max(len(r["loss"]) for r in runs)
-    window = max(1, steps // 30)
-    for i, r in enumerate(runs):
-        color = cmap(i % 20)
-        loss = _smooth(r["loss"], window)
-        axes[0].plot(range(1, len(loss) + 1), loss, label=r["scheme"], color=color, lw=1.3)
-        if r["cumulative_bytes"]:
-            axes[1].plot([max(b, 1) for b in r["cumulative_bytes"]], loss, label=r["scheme"], color=color, lw=1.3)
-    axes[0].set(xlabel="step", ylabel=f"training loss (mean of workers, moving average {window})",
-                yscale="log", title="loss vs step")
-    axes[1].set(xlabel="cumulative bytes sent per worker", ylabel="training loss", xscale="log", yscale="log",
-                title="loss vs bytes sent")
-    axes[0].legend(fontsize=7, ncol=2)
-    for i, r in enumerate(runs):  # telemetry: how far the compressed average is from the exact one
-        hist = r.get("monitor_history") or []
-        if hist and any(h[1] > 0 for h in hist):
-            axes[2].plot([h[0] + 1 for h in hist], [max(h[1], 1e-6) for h in hist], label=r["scheme"],
-                         color=cmap(i % 20), lw=1.2, marker=".", ms=3)
-    axes[2].set(xlabel="step", ylabel="||compressed avg - exact avg|| / ||exact avg||", yscale="log",
-                title="telemetry: relative error of the average (monitor_every)")
-    axes = [axes[0], axes[1], axes[3]]
-    names = [r["scheme"] for r in runs]
-    lm = any(r.get("val_loss") is not None for r in runs)
-    values = [r["val_loss"] if lm else r["test_accuracy"] for r in runs]
-    bars = axes[2].barh(range(len(runs)), values, color=[cmap(i % 20) for i in range(len(runs))])
-    for b, a in zip(bars, values):
-        axes[2].text(b.get_width(), b.get_y() + b.get_height() / 2, f" {a:.3f}" if lm else f" {a:.1f}",
-                     va="center", fontsize=8)
-    axes[2].set_yticks(range(len(runs)), names, fontsize=8)
-    axes[2].invert_yaxis()
-    if lm:
-        axes[2].set(xlim=(min(values) * 0.9, max(values) * 1.05), xlabel="validation loss (nats per byte)",
-                    title="validation loss (lower is better)")
-    else:
-        axes[2].set(xlim=(max(0.0, min(values) - 10), 100), xlabel="test accuracy (%)", title="test accuracy")
-    title = "byte-level transformer on Python's docs" if lm else "digits MLP"
-    fig.suptitle(f"gradcompress demo: {title}, {workers} workers, {steps} steps")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
