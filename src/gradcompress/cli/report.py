@@ -93,12 +93,16 @@ def _plot_telemetry(ax, runs: list[dict], styles: list[dict]) -> None:
                     label=r["scheme"])
     ax.axhline(1.0, color="black", lw=0.8, ls=(0, (1, 3)), zorder=0)
     ax.set(xlabel="step (monitored steps only)", ylabel="relative error (log scale; 1: as large as the average)",
-           yscale="log",
-           title="telemetry: relative error of the averaged gradient\n"
+           yscale="log", title="telemetry: relative error of the averaged gradient\n"
                  "\u2016compressed \u2212 exact\u2016 / \u2016exact\u2016 on each monitored step")
     ax.grid(True, which="major", alpha=0.3)
-    ax.text(0.0, -0.12, textwrap.fill(TELEMETRY_CAPTION, CAPTION_WIDTH), transform=ax.transAxes, fontsize=8, style="italic", va="top",
-            color="0.25")
+    ax.text(0.0, -0.12, textwrap.fill(TELEMETRY_CAPTION, CAPTION_WIDTH), transform=ax.transAxes, fontsize=8,
+            style="italic", va="top", color="0.25")
+
+
+def _is_lm(runs: list[dict]) -> bool:
+    """Whether the runs are of ``--task lm`` (a validation loss instead of a test accuracy)."""
+    return any(r.get("val_loss") is not None for r in runs)
 
 
 def _metric_limits(values: list[float]) -> tuple[float, float]:
@@ -110,7 +114,7 @@ def _metric_limits(values: list[float]) -> tuple[float, float]:
 
 def _plot_final(ax, runs: list[dict], styles: list[dict]) -> None:
     """One dot per scheme in its own colour and marker: the final test accuracy, or the validation loss (lm)."""
-    lm = any(r.get("val_loss") is not None for r in runs)
+    lm = _is_lm(runs)
     values = [r["val_loss"] if lm else r["test_accuracy"] for r in runs]
     for i, (v, style) in enumerate(zip(values, styles)):
         ax.plot([v], [i], ls="none", ms=8, color=style["color"], marker=style["marker"])
@@ -121,7 +125,8 @@ def _plot_final(ax, runs: list[dict], styles: list[dict]) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_xlim(*_metric_limits(values))
     if lm:
-        ax.set(xlabel="validation loss (nats per byte)", ylabel="scheme", title="final validation loss (lower is better)")
+        ax.set(xlabel="validation loss (nats per byte)", ylabel="scheme",
+               title="final validation loss (lower is better)")
     else:
         ax.set(xlabel="test accuracy (%)", ylabel="scheme", title="final test accuracy (higher is better)")
 
@@ -144,10 +149,10 @@ def build_figure(runs: list[dict], workers: int):
     _plot_telemetry(ax_tel, runs, styles)
     _plot_final(ax_final, runs, styles)
     handles = [Line2D([], [], lw=1.6, ms=5, **style) for style in styles]
-    fig.legend(handles, [r["scheme"] for r in runs], loc="outside right upper", title="scheme (same style in every panel)", fontsize=9,
-               title_fontsize=10, handlelength=3.2, frameon=False)
-    lm = any(r.get("val_loss") is not None for r in runs)
-    title = "byte-level transformer on Python's docs" if lm else "digits MLP"
+    fig.legend(handles, [r["scheme"] for r in runs], loc="outside right upper",
+               title="scheme (same style in every panel)", fontsize=9, title_fontsize=10, handlelength=3.2,
+               frameon=False)
+    title = "byte-level transformer on Python's docs" if _is_lm(runs) else "digits MLP"
     fig.suptitle(f"gradcompress demo: {title}, {workers} workers, {steps} steps", fontsize=14)
     return fig
 
