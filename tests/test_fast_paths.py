@@ -421,6 +421,28 @@ def test_noise_is_independent(lib):
             assert abs(agree - 0.5) < 5 * sd
 
 
+@pytest.mark.parametrize("spec", STOCHASTIC)
+def test_piece_noise_is_the_whole_tensors(lib, spec):
+    """A piece of a tensor encoded alone at its element offset (a bucket edge) gets exactly the codes and scales of
+    those elements in the whole tensor's encode (as the chunk owner's re-encode relies on); at offset 0 other noise."""
+    codec = make(spec)
+    x = big_input(wide=False)
+    n = x.numel()
+    dtype, count = codec.code_layout(n)
+    codes, scales = torch.empty(count, dtype=dtype), torch.empty(-(-n // codec.bucket))
+    codec.encode_piece(x, None, None, codes, scales, 7, 0)
+    first = 37 * 512 // codec.bucket  # the piece's first bucket
+    start = first * codec.bucket
+    piece = x[start:]
+    dtype, count = codec.code_layout(piece.numel())
+    per_bucket = codec.code_layout(codec.bucket)[1]
+    for offset, same_noise in ((start, True), (0, False)):
+        pc, ps = torch.empty(count, dtype=dtype), torch.empty(-(-piece.numel() // codec.bucket))
+        codec.encode_piece(piece, None, None, pc, ps, 7, offset)
+        assert torch.equal(ps, scales[first:])
+        assert torch.equal(pc, codes[first * per_bucket :]) == same_noise, (spec, offset)
+
+
 # --------------------------------------------------------------------------- small shapes (MIN_NUMEL lowered)
 SMALL_NS = [1, 2, 5, 7, 8, 9, 63, 511, 512, 513, 1000, 4097]
 
