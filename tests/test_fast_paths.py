@@ -421,6 +421,93 @@ def test_noise_is_independent(lib):
             assert abs(agree - 0.5) < 5 * sd
 
 
+def _hash32(z: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values (products wrap; masked back to 32 bits)."""
+    mask = 0xFFFFFFFF
+    z = z ^ (z >> 16)
+    z = (z * 0x7FEB352D) & mask
+    z = z ^ (z >> 15)
+    z = (z * 0x846CA68B) & mask
+    return z ^ (z >> 16)
+
+
+def counter_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """The quantisers' noise of element indices ``index`` for ``seed``, written down independently of the kernel:
+    the stream key's halves k0, k1; hash32(hash32(i ^ k0) + k1), its top 24 bits as a float32 in [0, 1)."""
+    key = fast.stream_key(seed, fast._SALT_NOISE)
+    k0, k1 = key & 0xFFFFFFFF, key >> 32
+    h = _hash32((_hash32(index ^ k0) + k1) & 0xFFFFFFFF)
+    return (h >> 8).float() * 2.0**-24
+
+
+def expected_codes(codec, x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The codes (one per element, unpacked, as int64) the kernel's formula gives x with these scales and noise."""
+    s = scale.repeat_interleave(codec.bucket)[: x.numel()]
+    s = torch.where(s > 0, s, torch.full_like(s, math.inf))  # an all-zero bucket encodes to zeros
+    if codec.name == "terngrad":
+        keep = (u < x.abs() / s).long()
+        return 1 + keep * torch.sign(x).long()
+    if codec.name == "qsgd":
+        y = x.abs() / s * float(codec.levels)
+        f = torch.floor(y)
+        level = (f + (u < y - f).float()).clamp(max=codec.levels).long()
+        return torch.where(x < 0, -level, level) + codec.levels
+    y = x / s  # stochastic int8 / int4
+    f = torch.floor(y)
+    r = (f + (u < y - f).float()).clamp(-codec.qmax, codec.qmax).long()
+    return r if codec.bits == 8 else r + codec.qmax + 1
+
+
+def unpacked_codes(codec, codes: torch.Tensor, n: int) -> torch.Tensor:
+    """A payload's codes, one int64 per element."""
+    return codes.long() if codec.bits == 8 else unpack(codes, codec.bits, n).long()
+
+
+@pytest.mark.parametrize("spec", ["int8:stochastic=true", "int4:stochastic=true", "qsgd:levels=4", "terngrad"])
+@pytest.mark.parametrize("start", [0, 512 * 37])
+def test_kernel_noise_is_the_counter_hash(lib, spec, start):
+    """The kernel's codes are those of the documented noise (computed here in torch integer arithmetic) at the
+    elements' indices: a tensor encoded as a piece at element ``start`` draws the noise of indices start, ..."""
+    codec = make(spec)
+    x = big_input(wide=False)
+    n = x.numel()
+    dtype, count = codec.code_layout(n)
+    codes, scales = torch.empty(count, dtype=dtype), torch.empty(-(-n // codec.bucket))
+    codec.encode_piece(x, None, None, codes, scales, 11, start)
+    u = counter_uniform(11, torch.arange(start, start + n))
+    assert torch.equal(unpacked_codes(codec, codes, n), expected_codes(codec, x, scales, u))
+
+
+@pytest.mark.parametrize("spec", STOCHASTIC)
+def test_piece_noise_is_the_whole_tensors(lib, spec):
+    """A piece of a tensor encoded alone at its element offset (a bucket edge) gets exactly the codes and scales of
+    those elements in the whole tensor's encode (as the chunk owner's re-encode relies on); at offset 0 other noise."""
+    codec = make(spec)
+    x = big_input(wide=False)
+    n = x.numel()
+    dtype, count = codec.code_layout(n)
+    codes, scales = torch.empty(count, dtype=dtype), torch.empty(-(-n // codec.bucket))
+    codec.encode_piece(x, None, None, codes, scales, 7, 0)
+    first = 37 * 512 // codec.bucket  # the piece's first bucket
+    start = first * codec.bucket
+    piece = x[start:]
+    dtype, count = codec.code_layout(piece.numel())
+    per_bucket = codec.code_layout(codec.bucket)[1]
+    for offset, same_noise in ((start, True), (0, False)):
+        pc, ps = torch.empty(count, dtype=dtype), torch.empty(-(-piece.numel() // codec.bucket))
+        codec.encode_piece(piece, None, None, pc, ps, 7, offset)
+        assert torch.equal(ps, scales[first:])
+        assert torch.equal(pc, codes[first * per_bucket :]) == same_noise, (spec, offset)
+
+
+def test_noise_counter_is_32_bits(lib):
+    """Element indices beyond 2**32 have no noise of their own: refused, not wrapped around."""
+    x = torch.ones(fast.MIN_NUMEL)
+    fast.quantize(x, 512, fast.TERNGRAD, 2, seed=1, stochastic=True, index0=2**32 - x.numel())
+    with pytest.raises(ValueError, match="32-bit noise counter"):
+        fast.quantize(x, 512, fast.TERNGRAD, 2, seed=1, stochastic=True, index0=2**32 - x.numel() + 1)
+
+
 # --------------------------------------------------------------------------- small shapes (MIN_NUMEL lowered)
 SMALL_NS = [1, 2, 5, 7, 8, 9, 63, 511, 512, 513, 1000, 4097]
 

@@ -11,7 +11,10 @@ semantics are the same on both paths:
   equal magnitudes by position, ``torch.topk`` in its own order);
 * stochastic codecs (stochastic rounding, ``qsgd``, ``terngrad``, ``dgc``'s sample) draw
   their noise from a counter-based hash of (seed, element index) instead of
-  ``torch.rand``: the same distribution, deterministic for a seed, other bits.
+  ``torch.rand``: the same distribution, deterministic for a seed, other bits. The
+  quantisers' noise is a 32-bit hash that vectorises (``uniform32`` in ``csrc/fast.cpp``:
+  two multiply-xorshift rounds of the element index keyed by :func:`stream_key`, 24 bits
+  of it as the uniform), so element i's noise does not depend on how the tensor is cut.
 
 When the fast path is taken: :func:`enabled` (the environment variable
 ``GRADCOMPRESS_FAST=0`` turns it off, :func:`set_enabled` / :func:`use` override it), the
@@ -57,7 +60,7 @@ MIN_NUMEL = 1 << 16
 ENV_VAR = "GRADCOMPRESS_FAST"
 CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
-_VERSION = 8  # gc_version() of the source this module drives
+_VERSION = 9  # gc_version() of the source this module drives
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
           "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
@@ -338,7 +341,8 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     :func:`dequantize` with ``decoding = (signed, mul, offset, div)``. ``codes_out`` /
     ``scale_out``: write into these (contiguous, of the sizes above) instead of new tensors.
     ``index0``: element i draws the noise of index ``index0 + i`` of the seed's stream (a piece of a
-    tensor that starts at element ``index0`` gets the noise the whole tensor's encode would give it).
+    tensor that starts at element ``index0`` gets the noise the whole tensor's encode would give it);
+    the index is a 32-bit counter: ``index0 + x.numel()`` must not exceed 2**32.
     """
     lib = library()
     n = x.numel()
@@ -350,6 +354,8 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     if (codes.numel() != (n * bits + 7) // 8 or codes.dtype != code_dtype or not codes.is_contiguous()
             or scale.numel() != nb or scale.dtype != torch.float32 or not scale.is_contiguous()):
         raise ValueError("fast.quantize: codes_out / scale_out do not have the payload's layout")
+    if not 0 <= index0 <= 2**32 - n:
+        raise ValueError(f"fast.quantize: index0 + numel = {index0 + n} is beyond the 32-bit noise counter")
     key = stream_key(seed or 0, _SALT_NOISE)
     res_dtypes = {t.dtype for t in (residual, residual_out) if t is not None}
     for t in (residual, residual_out):

@@ -12,8 +12,8 @@
 // divisions, round-half-to-even, no FMA contraction: build with -ffp-contract=off) so
 // the deterministic codecs give identical codes. Exceptions: bucket sums and norms are
 // accumulated in double (the reference sums in float32 in another order), and the
-// stochastic codecs draw their noise from a counter-based hash (SplitMix64 of the seed
-// and the element index) instead of torch.rand.
+// stochastic codecs draw their noise from a counter-based 32-bit hash of the seed's key
+// and the element index (uniform32) instead of torch.rand.
 
 #include <algorithm>
 #include <atomic>
@@ -72,16 +72,44 @@ inline uint64_t mix64(uint64_t z) {  // SplitMix64's output function
 
 constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ull;
 
-// Counter-based uniform noise: element i of the SplitMix64 stream started at key.
-inline float uniform_at(uint64_t key, uint64_t i) {
-  return static_cast<float>(mix64(key + (i + 1) * GOLDEN) >> 40) * 0x1p-24f;  // [0, 1), 24 bits like torch.rand
+inline uint32_t hash32(uint32_t z) {  // "lowbias32" (C. Wellons): a multiply-xorshift bijection of 32 bits
+  z ^= z >> 16;
+  z *= 0x7FEB352Du;
+  z ^= z >> 15;
+  z *= 0x846CA68Bu;
+  return z ^ (z >> 16);
+}
+
+// Counter-based uniform noise of element i (a 32-bit counter) for the 64-bit stream key: two hash32 rounds,
+// the key's low half XOR-ed into the counter before the first and its high half added before the second;
+// the top 24 bits as a float in [0, 1), like torch.rand. Plain uint32 arithmetic without branches, so that a
+// loop over consecutive counters vectorises (SSE2 emulates the 32-bit multiplies, AVX2 and wider have them).
+inline float uniform32(uint32_t k0, uint32_t k1, uint32_t i) {
+  return static_cast<float>(hash32(hash32(i ^ k0) + k1) >> 8) * 0x1p-24f;
+}
+
+// u[j] = the noise of counter base + j (mod 2^32) for j < len <= BLOCK.
+void fill_uniform(uint64_t key, uint32_t base, int64_t len, float* __restrict u) {
+  const uint32_t k0 = uint32_t(key), k1 = uint32_t(key >> 32), n = uint32_t(len);
+  for (uint32_t j = 0; j < n; ++j) u[j] = uniform32(k0, k1, base + j);
 }
 
 inline float round_even(float y) { return (y + ROUND_MAGIC) - ROUND_MAGIC; }
 
-inline float floor_small(float y) {  // floor for |y| < 2^22
+// floor(y) for |y| < 2^22, as an int. (The comparison becomes an int before any arithmetic: a float select such
+// as r - float(r > y), which GCC folds into a conditional subtraction, does not vectorise without AVX-512 masks.)
+inline int floor_small(float y) {
   const float r = round_even(y);
-  return r - float(r > y);
+  const int above = r > y;
+  return int(r) - above;
+}
+
+// Unbiased stochastic rounding of y (|y| < 2^22) with the uniform u in [0, 1): floor(y) + 1 when u < y - floor(y),
+// else floor(y).
+inline int round_stochastic(float y, float u) {
+  const int f = floor_small(y);
+  const int up = u < y - float(f);
+  return f + up;
 }
 
 enum Kind { UNIFORM = 0, QSGD = 1, TERNGRAD = 2, SIGN = 3 };
@@ -203,13 +231,15 @@ float bucket_scale(const float* x, int64_t len, const QParams& p) {
   return p.kind == UNIFORM ? amax / float(p.qmax) : amax;
 }
 
-// Codes of one block (x[0..len), global index of x[0] is base) in [0, 2^bits) (int8: two's complement).
-// (Parameters are copied to locals and pointers are __restrict: c is a char type, which may
-// alias anything, and would otherwise force a reload of p.key per element and no vectorisation.)
-void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s, const QParams p,
+// Codes of one block (x[0..len), len <= BLOCK, noise counter of x[0] is base) in [0, 2^bits) (int8: two's
+// complement). (Parameters are copied to locals and pointers are __restrict: c is a char type, which may
+// alias anything, and would otherwise force reloads per element and no vectorisation.) The stochastic kinds
+// draw the block's noise first (fill_uniform), then quantise with it: two loops that each vectorise.
+void block_codes(const float* __restrict x, int64_t len, uint32_t base, float s, const QParams p,
                  uint8_t* __restrict c) {
   const bool ok = s > 0.0f && s < std::numeric_limits<float>::infinity();
-  const uint64_t key = p.key;
+  alignas(64) float u[BLOCK];
+  if (ok && (p.stochastic || p.kind == QSGD || p.kind == TERNGRAD)) fill_uniform(p.key, base, len, u);
   switch (p.kind) {
     case UNIFORM: {
       const float q = float(p.qmax);
@@ -225,12 +255,12 @@ void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s,
           c[j] = uint8_t(int(r) + off);
         }
       } else {
+        const int qi = p.qmax;
         for (int64_t j = 0; j < len; ++j) {
-          const float y = x[j] / s;
-          const float f = floor_small(y);
-          float r = f + float(uniform_at(key, base + j) < y - f);
-          r = r < -q ? -q : (r > q ? q : r);
-          c[j] = uint8_t(int(r) + off);
+          int r = round_stochastic(x[j] / s, u[j]);
+          r = r < -qi ? -qi : r;
+          r = r > qi ? qi : r;
+          c[j] = uint8_t(r + off);
         }
       }
       return;
@@ -243,11 +273,8 @@ void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s,
       }
       const float lv = float(L);
       for (int64_t j = 0; j < len; ++j) {
-        const float y = (std::fabs(x[j]) / s) * lv;
-        const float f = floor_small(y);
-        float r = f + float(uniform_at(key, base + j) < y - f);
-        r = r > lv ? lv : r;
-        const int level = int(r);
+        int level = round_stochastic((std::fabs(x[j]) / s) * lv, u[j]);
+        level = level > L ? L : level;
         c[j] = uint8_t(level * (1 - 2 * int(x[j] < 0.0f)) + L);  // branch-free: vectorises
       }
       return;
@@ -259,7 +286,7 @@ void block_codes(const float* __restrict x, int64_t len, uint64_t base, float s,
       }
       for (int64_t j = 0; j < len; ++j) {
         const float prob = std::fabs(x[j]) / s;
-        const int keep = uniform_at(key, base + j) < prob;
+        const int keep = u[j] < prob;
         c[j] = uint8_t(1 + keep * (1 - 2 * int(x[j] < 0.0f)));  // 0, 1 or 2, branch-free: vectorises
       }
       return;
@@ -320,7 +347,7 @@ void quantize_impl(const float* x, const R* r, int64_t n, int64_t bucket, const 
       const float sd = s / d.div;
       for (int64_t o = 0; o < len; o += BLOCK) {
         const int64_t l = std::min(BLOCK, len - o);
-        block_codes(y + o, l, index0 + uint64_t(start + o), s, p, c);
+        block_codes(y + o, l, uint32_t(index0 + uint64_t(start + o)), s, p, c);
         pack_block<BITS>(c, l, codes + (start + o) * BITS / 8);  // start + o is a multiple of 8 when BITS < 8
         if (!rout) continue;
         R* ro = rout + start + o;
@@ -441,7 +468,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 8; }
+GC_API int gc_version() { return 9; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
@@ -458,11 +485,13 @@ GC_API int gc_version() { return 8; }
 // codes: int8 (bits 8, UNIFORM), uint8 otherwise, packed to ceil(n * bits / 8) bytes (bits < 8 needs bucket % 8 == 0).
 // Encodes x + r (r may be null); rout (may be null) receives (x + r) - decode(codes), decoded as gc_dequantize does
 // with (is_signed, mul, offset, div); r and rout hold float32, or bfloat16 when res_bf16. Element i draws the noise
-// of index index0 + i (a piece of a longer tensor draws what the whole tensor would).
+// of counter index0 + i (a piece of a longer tensor draws what the whole tensor would); the counter is 32 bits, so
+// index0 + n <= 2^32.
 GC_API int gc_quantize(const float* x, const void* r, int64_t n, int64_t bucket, int kind, int bits, int qmax,
                        int stochastic, uint64_t key, void* codes, float* scale, void* rout, int is_signed, int mul,
                        int offset, float div, uint64_t index0, int res_bf16, int nthreads) {
   if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1) return -1;
+  if (n < 0 || index0 > (uint64_t(1) << 32) - uint64_t(n)) return -2;
   const QParams p{kind, bits, qmax, stochastic, key};
   const Decode d{is_signed, mul, offset, div};
   uint8_t* c = static_cast<uint8_t*>(codes);
