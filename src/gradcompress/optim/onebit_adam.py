@@ -62,8 +62,9 @@ so nothing is floored or masked.
 
 The exchange is a :class:`gradcompress.Compressor` step (:mod:`gradcompress.step`) with
 the ``sign`` codec, worker and server error feedback and ``min_numel=0``; the residuals
-live in this optimizer's state (``worker_error``, ``server_error``) and are handed to
-the step by reference, so checkpoints hold them and a non-finite step commits nothing.
+live in this optimizer's state (``worker_error``, ``server_error``), their only owner: the
+Compressor's state slots are views of it (:class:`_ParamState`), so checkpoints hold them and
+a non-finite step commits nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import math
 import numbers
 import time
 import warnings
+from collections.abc import MutableMapping
 from itertools import chain
 from typing import Callable
 
@@ -90,7 +92,7 @@ VARIANCE_FLOOR = 0.1
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: what each parameter's state holds (all float32 tensors; ``lowrank_q``/``lowrank_p`` only with powersgd)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
-#: the exchange's per-parameter state (Compressor slot -> our state key), handed by reference to each step
+#: the exchange's per-parameter state (Compressor slot -> our state key), seen by the Compressor through views
 SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q": "lowrank_q", "p": "lowrank_p"}
 
 
@@ -211,6 +213,7 @@ class CompressedAdam(torch.optim.Optimizer):
         if not hasattr(self, "codec"):
             self.codec = make(CODEC_SPEC)
         self._compressor: Compressor | None = None
+        self._by_key: list = []  # the parameters in key order (refreshed every step)
         self._checked = False
         self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
 
@@ -315,6 +318,7 @@ class CompressedAdam(torch.optim.Optimizer):
         (key, group, parameter, state)."""
         dense, comp = [], []
         key = -1
+        self._by_key = [p for group in self.param_groups for p in group["params"]]
         for group in self.param_groups:
             for p in group["params"]:
                 key += 1
@@ -356,27 +360,19 @@ class CompressedAdam(torch.optim.Optimizer):
         return loss
 
     def _momenta(self, comp) -> list[torch.Tensor]:
-        """The local momenta to exchange; the exchange's state of each parameter handed to the Compressor."""
-        store = self._compressor.state.slots
+        """The local momenta to exchange."""
         momenta = []
         for key, group, p, state in comp:
-            for slot, name in SLOT_STATE.items():  # the exchange's state lives in ours (checkpoints)
-                if name in state:
-                    store[slot][key] = state[name]
             grad = self._local_grad(group, p, p.grad.detach().float())
             momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
         return momenta
 
     def _compressed_update(self, key, group, p, state, momentum) -> None:
         """The update of a parameter past its warm-up from the averaged momentum (frozen variance)."""
-        store = self._compressor.state.slots
         if state["step"].item() == group["warmup_steps"]:
             _floor_frozen_variance(state["exp_avg_sq"])
         seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
         state["exp_avg"].copy_(momentum if seen is None else momentum * seen)
-        for slot, name in SLOT_STATE.items():
-            if key in store[slot]:
-                state[name] = store[slot][key]
         state["step"] += 1
         beta1, beta2 = group["betas"]
         warm = group["warmup_steps"]
@@ -393,6 +389,8 @@ class CompressedAdam(torch.optim.Optimizer):
             feedback = self.codec.wants_error_feedback
             self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
                                           server_error_feedback=feedback, min_numel=0)
+            slots = self._compressor.state.slots
+            slots.update({slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
         step = self._compressor.begin_step()
         if not self._checked:
             step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")
@@ -476,6 +474,41 @@ def _floor_frozen_variance(v: torch.Tensor) -> None:
     if bool(positive.any()):
         floor = (VARIANCE_FLOOR * v.sqrt()[positive].mean()) ** 2
         v.copy_(torch.where(positive, v.clamp(min=float(floor)), v))
+
+
+class _ParamState(MutableMapping):
+    """One state slot of the Compressor (worker or server residual, PowerSGD's factors) seen through the
+    optimizer's per-parameter state entry ``name``: key = the parameter's position among the optimizer's
+    parameters. The optimizer's state is the only owner (checkpoints hold it); the step's commit writes there."""
+
+    def __init__(self, optimizer: "CompressedAdam", name: str):
+        self.optimizer, self.name = optimizer, name
+
+    def _param(self, key):
+        params = self.optimizer._by_key
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+            raise KeyError(key)
+        return params[key]
+
+    def __getitem__(self, key):
+        state = self.optimizer.state.get(self._param(key))
+        if not state or self.name not in state:
+            raise KeyError(key)
+        return state[self.name]
+
+    def __setitem__(self, key, value) -> None:
+        self.optimizer.state[self._param(key)][self.name] = value
+
+    def __delitem__(self, key) -> None:
+        del self.optimizer.state[self._param(key)][self.name]
+
+    def __iter__(self):
+        for key, p in enumerate(self.optimizer._by_key):
+            if self.name in self.optimizer.state.get(p, {}):
+                yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class OneBitAdam(CompressedAdam):
