@@ -56,18 +56,22 @@ def run(request, four, two):
     return request.param, {2: two, 4: four}[request.param]
 
 
+def _raised(got, kind: str, *phrases: str) -> None:
+    """``got`` (a worker's (exception type, message), or None) is a ``kind`` whose message has every phrase."""
+    assert got is not None and got[0] == kind, got
+    for phrase in phrases:
+        assert phrase in got[1], (phrase, got[1])
+
+
 # --------------------------------------------------------------------------- no torch.distributed
 def test_synchronize_without_process_group_is_a_clear_error_and_changes_nothing(run):
     _, results = run
     for r in results:
         n = r["no_group"]
         for what in ("synchronize", "begin_step"):
-            kind, text = n[what]
-            assert kind == "RuntimeError", n[what]
-            assert "torch.distributed.init_process_group" in text and "torchrun" in text, text
-            assert "LocalCollectives(1)" in text, text
+            _raised(n[what], "RuntimeError", "torch.distributed.init_process_group", "torchrun", "LocalCollectives(1)")
         assert n["grads_unchanged"] and n["steps"] == 0
-        assert n["broadcast"][0] == "RuntimeError" and "init_process_group" in n["broadcast"][1]
+        _raised(n["broadcast"], "RuntimeError", "init_process_group")
         # the explicit single-process path: runs the codec (lossy), sends nothing
         assert n["explicit_local"] is True and n["explicit_local_lossy"]
         assert n["explicit_local_stats"] == {"steps": 1, "wire_bytes": 0}
@@ -106,6 +110,21 @@ def test_local_collectives_load_a_state_of_another_world_warns_at_load():
     assert torch.equal(comp.residual[0], state["residual"]["0"])
 
 
+def test_another_world_resets_the_momentum_of_fsdp_flat_buffers_too():
+    """FSDP's group buffers are W chunks: their momentum cannot be kept at another world; a parameter's can."""
+    comp = gradcompress.Compressor("int8", min_numel=0, momentum=0.9)
+    p = torch.nn.Parameter(torch.zeros(2000))
+    p.grad = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    comp.synchronize([p], collectives=LocalCollectives(1))
+    state = comp.state_dict()
+    state["momentum"]["fsdp:root"] = torch.ones(4 * 600)  # as register_fsdp keys a group saved at 4 workers
+    state["world"] = 4
+    with pytest.warns(UserWarning, match="momentum of FSDP's flat buffers") as caught:
+        comp.load_state_dict(state)
+    assert len(caught) == 1
+    assert list(comp.momentum_buffers) == [0] and torch.equal(comp.momentum_buffers[0], state["momentum"]["0"])
+
+
 def test_broadcast_parameters_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="init_process_group"):
         gradcompress.broadcast_parameters(torch.nn.Linear(2, 2))
@@ -116,9 +135,7 @@ def test_unequal_replicas_fail_the_first_synchronize_on_every_rank(run):
     world, results = run
     for r in results:
         u = r["unequal"]
-        kind, text = u["error"]
-        assert kind == "RuntimeError" and "gradcompress.broadcast_parameters" in text, u["error"]
-        assert "parameters differ across ranks" in text
+        _raised(u["error"], "RuntimeError", "gradcompress.broadcast_parameters", "parameters differ across ranks")
         assert u["grads_unchanged"] and u["state_empty"]
         assert u["stats"]["steps"] == 0 and u["stats"]["wire_bytes"] == 0
 
@@ -149,8 +166,8 @@ def test_broadcast_parameters_src_and_errors(run):
     for r in results:
         b = r["broadcast"]
         assert b["src_last"] == [[float(world - 1)] * 5, [[10.0 + world - 1] * 2] * 3]
-        assert b["bad_src"][0] == "ValueError" and f"0 to {world - 1}" in b["bad_src"][1]
-        assert b["tensor"][0] == "TypeError" and "nn.Module" in b["tensor"][1]
+        _raised(b["bad_src"], "ValueError", f"0 to {world - 1}")
+        _raised(b["tensor"], "TypeError", "nn.Module")
 
 
 # --------------------------------------------------------------------------- register on the wrong model
@@ -159,10 +176,8 @@ def test_register_on_a_model_that_is_not_ddp_is_a_type_error(run):
     for r in results:
         g = r["register"]
         for what in ("ddp_hook_plain", "register_plain"):
-            kind, text = g[what]
-            assert kind == "TypeError", g[what]
-            assert "torch.nn.parallel.DistributedDataParallel" in text and "got Linear" in text, text
-            assert "DistributedDataParallel(model)" in text
+            _raised(g[what], "TypeError", "torch.nn.parallel.DistributedDataParallel", "got Linear",
+                    "DistributedDataParallel(model)")
         assert g["ddp_hook_ddp"] is None
 
 
@@ -170,12 +185,9 @@ def test_register_fsdp_on_a_model_without_fsdp_names_fully_shard(run):
     _, results = run
     for r in results:
         g = r["register"]
-        kind, text = g["fsdp_plain"]
-        assert kind == "ValueError" and "no FSDP module" in text and "fully_shard" in text and "Linear" in text
-        kind, text = g["fsdp_ddp"]
-        assert kind == "ValueError" and "register_ddp_hook" in text
-        kind, text = g["fsdp_params"]
-        assert kind == "TypeError" and "torch.nn.Module" in text and "got list" in text
+        _raised(g["fsdp_plain"], "ValueError", "no FSDP module", "fully_shard", "Linear")
+        _raised(g["fsdp_ddp"], "ValueError", "register_ddp_hook")
+        _raised(g["fsdp_params"], "TypeError", "torch.nn.Module", "got list")
 
 
 # --------------------------------------------------------------------------- resume on another world size

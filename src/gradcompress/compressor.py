@@ -30,6 +30,8 @@ COLLECTIVES = ("auto", "allgather")
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: state slots that belong to one rank of one world size: reset when a state resumes at another world size
 PER_RANK_SLOTS = ("residual", "server_residual")
+#: state keys of FSDP's parameter groups (``fsdp:<module name>``): flat buffers of W chunks, so world-dependent
+FSDP_KEY_PREFIX = "fsdp:"
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -399,11 +401,16 @@ class Compressor:
             return
         for slot in PER_RANK_SLOTS:
             self.state.slots[slot] = {}
+        # FSDP's flat group buffers are laid out in W chunks: their momentum does not fit another world either
+        chunked = [k for k in self.state.slots["momentum"] if str(k).startswith(FSDP_KEY_PREFIX)]
+        for key in chunked:
+            del self.state.slots["momentum"][key]
         self.state.spare = {}
         self.workspace.clear()
+        also = " and the momentum of FSDP's flat buffers (laid out in W chunks)" if chunked else ""
         warnings.warn(f"gradcompress: the compressor state was saved with {saved} workers and resumes with {world}: "
-                      f"the per-rank error-feedback residuals ({', '.join(PER_RANK_SLOTS)}) were reset to zero; "
-                      f"PowerSGD's factors (q, p), the momentum buffers and the step count ({self.state.step}) "
+                      f"the per-rank error-feedback residuals ({', '.join(PER_RANK_SLOTS)}){also} were reset to "
+                      f"zero; PowerSGD's factors (q, p), the momentum buffers and the step count ({self.state.step}) "
                       "were kept", UserWarning, stacklevel=3)
 
     def config(self) -> str:

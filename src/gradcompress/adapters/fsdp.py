@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Aggregation
-from ..compressor import Compressor
+from ..compressor import FSDP_KEY_PREFIX, Compressor
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -140,7 +140,7 @@ def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
     compressor = Compressor(spec, **options)
     check_codec(compressor.codec)
     for name, module in modules:
-        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, f"fsdp:{name}"))
+        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, f"{FSDP_KEY_PREFIX}{name}"))
     return compressor
 
 

@@ -63,7 +63,9 @@ class DiLoCo:
         outer_optimizer: instead, a callable ``f(anchor_params) -> torch.optim.Optimizer``;
             the averaged outer gradient is set as each anchor's ``.grad`` before its step.
         error_feedback: as the Compressor's (``"auto"``: on for biased codecs).
-        process_group: the group to average over (default: the world).
+        process_group: the group to average over (default: the world). Without an initialised
+            ``torch.distributed`` (and no group given) DiLoCo runs as a single process: its syncs
+            run the same code on :class:`gradcompress.collectives.LocalCollectives` and send nothing.
         seed: seeds the codec's random choices.
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
