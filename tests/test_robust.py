@@ -122,6 +122,7 @@ def test_recycled_buffers_change_nothing(spec):
     """Residuals written into recycled buffers and the persistent input workspace give bit for bit what
     fresh allocations give, through a skipped non-finite step too (single process)."""
     import gradcompress
+    from gradcompress.collectives import LocalCollectives
 
     g = torch.Generator().manual_seed(3)
     steps = [[torch.randn(64, 48, generator=g), torch.randn(300, generator=g)] for _ in range(6)]
@@ -133,7 +134,7 @@ def test_recycled_buffers_change_nothing(spec):
         for params, comp in ((pa, reused), (pb, fresh)):
             for p, t in zip(params, grads):
                 p.grad = t.clone()
-            comp.synchronize(params)
+            comp.synchronize(params, collectives=LocalCollectives(1))  # a single process, explicitly
         fresh.state.spare.clear()
         fresh.workspace.clear()
         for a, b in zip(pa, pb):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .adapters import ddp_hook
+from .adapters import params as params_mod
 from .collectives import Collectives, LocalCollectives
 from .monitor import Telemetry
 from .schedule import SCHEDULES
@@ -27,6 +28,10 @@ from .transforms import Clip, ErrorFeedback, MomentumCorrection, Transforms
 
 COLLECTIVES = ("auto", "allgather")
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: state slots that belong to one rank of one world size: reset when a state resumes at another world size
+PER_RANK_SLOTS = ("residual", "server_residual")
+#: state keys of FSDP's parameter groups (``fsdp:<module name>``): flat buffers of W chunks, so world-dependent
+FSDP_KEY_PREFIX = "fsdp:"
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -174,6 +179,8 @@ class Compressor:
         self.current_step: Step | None = None
         self._comm: Collectives | None = None
         self._checked = False
+        self._params_checked = False  # synchronize's one check that the replicas start equal
+        self._saved_world: int | None = None  # a loaded state's world size, until compared with the group's
         self._key_of: dict[int, int] = {}
         self._totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0}
 
@@ -226,23 +233,34 @@ class Compressor:
         """Open a step (see :mod:`gradcompress.step`); on the first one, check every rank's configuration.
 
         ``collectives``: use these instead of the process group's from now on (e.g.
-        :class:`gradcompress.collectives.LocalCollectives` to time a step without a group).
+        :class:`gradcompress.collectives.LocalCollectives` to time a step without a group). Without them the
+        step runs on the process group, and ``torch.distributed`` must be initialised: a single process without
+        it passes ``LocalCollectives(1)`` explicitly (nothing is sent; the same code runs).
         """
         if self.current_step is not None and self.current_step.open:
             raise RuntimeError("gradcompress: a step of this compressor is still open; end() or abort() it first")
         if collectives is not None:
             self._comm = collectives
         if self._comm is None:
-            group = self.process_group
-            if group is None and default_group() is None:
-                self._comm = LocalCollectives(1)  # a single process: nothing to send
-            else:
-                self._comm = Collectives(group)
+            self._comm = self._group_collectives()
+        self._reconcile_world()
         if not self._checked:
             self._comm.check_same(f"{self.config()} overlap={self.overlap}", "gradcompress")
             self._checked = True
         self.current_step = Step(self, self._comm, self._close_step)
         return self.current_step
+
+    def _group_collectives(self) -> Collectives:
+        """The collectives of the process group; a ``RuntimeError`` naming the fix when ``torch.distributed`` is
+        not initialised (a silent single-process fallback would change ``.grad`` lossily and send nothing)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "gradcompress: torch.distributed is not initialised, so there is no group to average over; call "
+                "torch.distributed.init_process_group(...) first (or launch with torchrun, then init_process_group). "
+                "For a single process without torch.distributed, pass the collectives explicitly: "
+                "compressor.synchronize(params, collectives=gradcompress.collectives.LocalCollectives(1)) or "
+                "compressor.begin_step(gradcompress.collectives.LocalCollectives(1))")
+        return Collectives(self.process_group)
 
     def _close_step(self, step: Step, new: dict | None, counted: bool = True) -> None:
         """Called by the step at its end: commit ``new`` (None: roll back), add its counters."""
@@ -289,20 +307,30 @@ class Compressor:
         """
         return ddp_hook.hook(self, bucket)
 
-    def synchronize(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
+    def synchronize(self, parameters: Iterable[torch.nn.Parameter], collectives: Collectives | None = None) -> bool:
         """Average the ``.grad`` of ``parameters`` across the group, in place (custom training loops).
 
         Pass the same parameters in the same order on every rank and at every step
         (e.g. ``model.parameters()``); state is keyed by position in this list. Returns
         False when some rank's gradient was non-finite (the result is then non-finite
-        everywhere and no state changed).
+        everywhere and no state changed). Needs an initialised ``torch.distributed``
+        (``RuntimeError`` otherwise); ``collectives``: as for :meth:`begin_step`, e.g.
+        ``gradcompress.collectives.LocalCollectives(1)`` for a single process without it.
+
+        The first call checks once that every rank holds the same parameters (a checksum, one small
+        all-gather not counted in ``wire_bytes``) and raises ``RuntimeError`` on every rank if not: the
+        replicas must start equal (:func:`gradcompress.broadcast_parameters`).
         """
         params = [p for p in parameters if p.requires_grad]
         entries = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
         for _, g in entries:
             if g.is_sparse:
                 raise ValueError("Compressor.synchronize: sparse gradients are not supported")
-        with self.step() as step:
+        with self.step(collectives) as step:
+            if not self._params_checked:
+                if not isinstance(step.comm, LocalCollectives):
+                    params_mod.check_same_parameters(params, step.comm.group)
+                self._params_checked = True
             step.drive([step.exchange([k for k, _ in entries], [g for _, g in entries])])
         return step.committed
 
@@ -332,14 +360,58 @@ class Compressor:
         }
 
     def state_dict(self) -> dict:
-        """Tensors and plain values only (``torch.load(..., weights_only=True)`` reads it)."""
-        return {"config": self.config(), **self.state.state_dict()}
+        """Tensors and plain values only (``torch.load(..., weights_only=True)`` reads it).
+
+        ``world``: the size of the group the state was made in (residuals are per rank, the server residuals
+        one chunk of W); :meth:`load_state_dict` compares it with the group it resumes in.
+        """
+        return {"config": self.config(), "world": self._world(), **self.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`. Saved with another world size, what stays valid is kept (PowerSGD's
+        ``q``/``p``, ``momentum``, the step count) and the per-rank residuals (``residual``, ``server_residual``)
+        restart at zero, with a ``UserWarning``; decided when the group is known (now if this compressor has
+        stepped, else at its first step). A state without ``world`` (older checkpoints) is loaded as it is."""
         if state.get("config") != self.config():
             raise ValueError(f"Compressor.load_state_dict: the checkpoint was made with {state.get('config')!r}, "
                              f"this compressor is {self.config()!r}")
+        world = state.get("world")
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")
         self.state.load_state_dict(state)
+        self._saved_world = world
+        if self._comm is not None:
+            self._reconcile_world()
+
+    def _world(self) -> int:
+        """The world size of this compressor's state (see :meth:`state_dict`)."""
+        if self._saved_world is not None:
+            return self._saved_world
+        if self._comm is not None:
+            return self._comm.world
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group)
+        return 1
+
+    def _reconcile_world(self) -> None:
+        """A loaded state saved at another world size: reset the per-rank residuals, keep the rest, warn once."""
+        saved, self._saved_world = self._saved_world, None
+        world = self._comm.world
+        if saved is None or saved == world:
+            return
+        for slot in PER_RANK_SLOTS:
+            self.state.slots[slot] = {}
+        # FSDP's flat group buffers are laid out in W chunks: their momentum does not fit another world either
+        chunked = [k for k in self.state.slots["momentum"] if str(k).startswith(FSDP_KEY_PREFIX)]
+        for key in chunked:
+            del self.state.slots["momentum"][key]
+        self.state.spare = {}
+        self.workspace.clear()
+        also = " and the momentum of FSDP's flat buffers (laid out in W chunks)" if chunked else ""
+        warnings.warn(f"gradcompress: the compressor state was saved with {saved} workers and resumes with {world}: "
+                      f"the per-rank error-feedback residuals ({', '.join(PER_RANK_SLOTS)}){also} were reset to "
+                      f"zero; PowerSGD's factors (q, p), the momentum buffers and the step count ({self.state.step}) "
+                      "were kept", UserWarning, stacklevel=3)
 
     def config(self) -> str:
         """Every option that changes what is sent or computed, as one line (compared across ranks)."""

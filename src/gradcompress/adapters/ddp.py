@@ -9,7 +9,7 @@ The Compressor averages over the DDP model's own ``process_group``; state is key
 """
 
 from ..compressor import Compressor
-from .ddp_hook import hook, register
+from .ddp_hook import require_ddp, hook, register
 
 
 def register_ddp_hook(ddp_model, spec, **options):
@@ -18,6 +18,7 @@ def register_ddp_hook(ddp_model, spec, **options):
     Builds a :class:`gradcompress.Compressor` with ``options`` and installs it as
     ``ddp_model``'s hook, averaging over the DDP model's own process group.
     """
+    require_ddp(ddp_model)
     return register(Compressor(spec, **options), ddp_model)
 
 

@@ -25,8 +25,18 @@ def _same_group(a, b) -> bool:
     return (a if a is not None else world) is (b if b is not None else world)
 
 
+def require_ddp(model) -> None:
+    """``TypeError`` naming what is required, for a model that is not ``DistributedDataParallel``."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"gradcompress: register_ddp_hook / Compressor.register need a "
+                        f"torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; wrap it: "
+                        "DistributedDataParallel(model) (after torch.distributed.init_process_group), or, without "
+                        "DDP, call compressor.synchronize(model.parameters()) after each backward")
+
+
 def register(compressor, ddp_model):
     """Install ``compressor`` as ``ddp_model``'s communication hook, on the DDP model's process group."""
+    require_ddp(ddp_model)
     group = getattr(ddp_model, "process_group", None)
     if compressor.process_group is None:
         compressor.process_group = group
@@ -69,4 +79,4 @@ def hook(compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     return fut
 
 
-__all__ = ["hook", "register"]
+__all__ = ["hook", "register", "require_ddp"]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Aggregation
-from ..compressor import Compressor
+from ..compressor import FSDP_KEY_PREFIX, Compressor
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -105,6 +105,22 @@ def check_codec(codec) -> None:
                          "parameters; use it with DDP, or pick another codec for FSDP (int8, int4, sign, topk, ...)")
 
 
+def _fsdp_modules(model) -> list:
+    """(name, module) of every FSDP module in ``model``; a ``TypeError`` for what is not a module, a
+    ``ValueError`` naming the fix for a module without FSDP (a plain or a DDP-wrapped model)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"gradcompress.register_fsdp needs a torch.nn.Module sharded with "
+                        f"torch.distributed.fsdp.fully_shard, got {type(model).__name__}")
+    modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        hint = (" (a DistributedDataParallel model takes gradcompress.register_ddp_hook instead)"
+                if isinstance(model, torch.nn.parallel.DistributedDataParallel) else "")
+        raise ValueError(f"gradcompress FSDP: no FSDP module in the model ({type(model).__name__}): "
+                         f"register_fsdp needs a model sharded with torch.distributed.fsdp.fully_shard; call "
+                         f"fully_shard(...) on its layers and on the model first{hint}")
+    return modules
+
+
 def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
     """One line for FSDP2: ``compressor = gradcompress.register_fsdp(model, "int8")``.
 
@@ -120,14 +136,11 @@ def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
     if "min_numel" in options:
         raise ValueError("gradcompress FSDP: min_numel does not apply: FSDP hands over each parameter group's "
                          "gradients as one flat buffer, which is compressed whole")
+    modules = _fsdp_modules(model)
     compressor = Compressor(spec, **options)
     check_codec(compressor.codec)
-    modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError("gradcompress FSDP: no FSDP module in the model; call fully_shard(...) on its layers and "
-                         "on the model first")
     for name, module in modules:
-        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, f"fsdp:{name}"))
+        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, f"{FSDP_KEY_PREFIX}{name}"))
     return compressor
 
 

@@ -29,6 +29,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
+from ..collectives import LocalCollectives
 from ..compressor import Compressor, default_group
 
 
@@ -62,7 +63,9 @@ class DiLoCo:
         outer_optimizer: instead, a callable ``f(anchor_params) -> torch.optim.Optimizer``;
             the averaged outer gradient is set as each anchor's ``.grad`` before its step.
         error_feedback: as the Compressor's (``"auto"``: on for biased codecs).
-        process_group: the group to average over (default: the world).
+        process_group: the group to average over (default: the world). Without an initialised
+            ``torch.distributed`` (and no group given) DiLoCo runs as a single process: its syncs
+            run the same code on :class:`gradcompress.collectives.LocalCollectives` and send nothing.
         seed: seeds the codec's random choices.
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
@@ -87,6 +90,8 @@ class DiLoCo:
         self.sync_every = int(sync_every)
         self.compressor = Compressor(codec, process_group=process_group, error_feedback=error_feedback, seed=seed)
         self.process_group = process_group
+        # without torch.distributed (and no group): a single process, its syncs on explicit local collectives
+        self._local = LocalCollectives(1) if process_group is None and default_group() is None else None
         self._broadcast_from_rank0()
         self.anchor = [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
         if outer_optimizer is None:
@@ -124,7 +129,7 @@ class DiLoCo:
         applied and every rank restarts from the unchanged anchor (``stats()["skipped"]``).
         """
         outer_grads = [(a.detach() - p.detach()).to(a.dtype) for a, p in zip(self.anchor, self.params)]
-        with self.compressor.step() as step:
+        with self.compressor.step(self._local) as step:
             step.drive([step.exchange(list(range(len(outer_grads))), outer_grads)])
         finite = step.committed
         self.syncs += 1

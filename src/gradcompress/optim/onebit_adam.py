@@ -80,6 +80,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..collectives import LocalCollectives
 from ..compressor import Compressor
 from ..exchanges.layout import chunk_numel
 from ..spec import make
@@ -97,6 +98,10 @@ SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q"
 
 
 # ------------------------------------------------------------------------ validation
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _real(name: str, value, who: str = "OneBitAdam") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{who}: {name} must be a number, got {value!r}")
@@ -214,6 +219,7 @@ class CompressedAdam(torch.optim.Optimizer):
             self.codec = make(CODEC_SPEC)
         self._compressor: Compressor | None = None
         self._by_key: list = []  # the parameters in key order (refreshed every step)
+        self._local: LocalCollectives | None = None  # the collectives of a single process, made with the compressor
         self._checked = False
         self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
 
@@ -383,7 +389,7 @@ class CompressedAdam(torch.optim.Optimizer):
     def _begin(self):
         """Open a step of the Compressor that carries the exchange (made at the first step)."""
         if self._compressor is None:
-            if self.process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            if self.process_group is not None and not _initialised():
                 raise RuntimeError(f"{type(self).__name__}: a process_group was given but torch.distributed is not "
                                    "initialised")
             feedback = self.codec.wants_error_feedback
@@ -391,7 +397,9 @@ class CompressedAdam(torch.optim.Optimizer):
                                           server_error_feedback=feedback, min_numel=0)
             slots = self._compressor.state.slots
             slots.update({slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
-        step = self._compressor.begin_step()
+            # without torch.distributed: the documented single process (the same code, nothing sent)
+            self._local = None if _initialised() else LocalCollectives(1)
+        step = self._compressor.begin_step(self._local)
         if not self._checked:
             step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")
             self._checked = True
