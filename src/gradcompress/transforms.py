@@ -117,9 +117,14 @@ class Transforms:
                  server: ErrorFeedback | None):
         self.ctx, self.clip, self.momentum, self.feedback, self.server = ctx, clip, momentum, feedback, server
         self.masking = momentum is not None and momentum.masking
+        self._fused = {a: self._fuses(a) for a in Aggregation}  # decided once per step
 
     # ---------------------------------------------------------------- before the codec
     def fuses(self, aggregation: Aggregation) -> bool:
+        """Whether worker error feedback takes the fused path for ``aggregation`` (see :meth:`_fuses`)."""
+        return self._fused[aggregation]
+
+    def _fuses(self, aggregation: Aggregation) -> bool:
         """Whether worker error feedback takes the fused path: quantisers and sparsifiers (``REQUANTIZE``,
         ``GATHER``) run it inside the encode (``Codec.encode_feedback``: x + residual is never stored; float32 or
         bfloat16 residuals in the quantisers' kernel, the reference inside the codec otherwise); PowerSGD

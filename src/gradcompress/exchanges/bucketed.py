@@ -73,11 +73,12 @@ class BucketedExchange:
         group = tuple(keys)
         codes = ctx.zeroed("codes", group, world * lay.chunk_codes, lay.code_dtype, device)
         scales = ctx.zeroed("scales", group, world * lay.per_chunk, torch.float32, device)
+        reference = not ctx.transforms.fuses(Aggregation.REQUANTIZE)
         for t, (k, x) in enumerate(zip(keys, inputs)):
             c, s = lay.place(codes, scales, lay.first[t], x.numel())
             seed = ctx.seed(k, codec)
             ctx.transforms.encode_piece(codec, k, x, c, s, seed)
-            if not ctx.transforms.fuses(Aggregation.REQUANTIZE):
+            if reference:
                 ctx.transforms.delivered(k, x, lambda c=c, s=s, x=x, seed=seed: codec.decode(
                     Payload((c, s), x.shape, torch.float32, seed, device)).float())
 
