@@ -22,7 +22,7 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*([^>]*?)\s*-->\s*\Z")
 GROUP = re.compile(r"init_process_group|DistributedDataParallel|fully_shard|synchronize\(|register_|get_rank")
-TIMEOUT = 60  # seconds per test: launch.run and the subprocess stop at it
+TIMEOUT = 120  # seconds, a guard against deadlocks: launch.run and the subprocess stop at it (the file: 20-50 s on 2 cores)
 
 
 def snippets() -> list:
