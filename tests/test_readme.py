@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import readme_workers  # noqa: F401  (importable by the spawned workers: tests/ is on sys.path, conftest.py)
+import readme_workers  # tests/ is on sys.path (conftest.py), so the spawned workers import it too
 from gradcompress import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +22,7 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*([^>]*?)\s*-->\s*\Z")
 GROUP = re.compile(r"init_process_group|DistributedDataParallel|fully_shard|synchronize\(|register_|get_rank")
-TIMEOUT = 120  # seconds, a guard against deadlocks: launch.run and the subprocess stop at it (the file: 20-50 s on 2 cores)
+TIMEOUT = 120  # seconds, a deadlock guard for launch.run and the subprocess (the file takes 20-50 s on 2 cores)
 
 
 def snippets() -> list:
