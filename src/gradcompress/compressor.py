@@ -336,7 +336,8 @@ class Compressor:
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
-        """Counters since the start (or since the checkpoint was taken).
+        """Counters of this Compressor object since it was built (not part of ``state_dict()``: a fresh
+        Compressor that loads a checkpoint counts from 0).
 
         ``steps``: synchronising steps; ``skipped``: those with a non-finite gradient on
         some rank (nothing committed); ``raw_bytes``: the gradients' own size (numel x

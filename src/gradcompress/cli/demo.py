@@ -77,8 +77,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      "results.json, report.png",
         description="Train a small MLP on scikit-learn's digits once per compression scheme, on --workers "
                     "local processes (gloo, loopback), and compare bytes sent, codec time, loss and test "
-                    "accuracy. Writes results.json and report.png into --out. Defaults take about 3 minutes "
-                    "on 2 CPU cores.",
+                    "accuracy. Writes results.json and report.png into --out. Defaults took 140 s on 2 CPU "
+                    "cores shared with other jobs (README).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs) or 'onebitadam'. A spec "
                "contains commas, so separate schemes with ';' or repeat the option:\n"
