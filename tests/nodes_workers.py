@@ -42,20 +42,30 @@ def _steps(rank: int, comp, params, steps, start: int = 0, poison: tuple | None 
     return out
 
 
+def _torchrun_env(rank: int, per_node: int) -> dict:
+    """What torchrun sets for ``rank`` on nodes of ``per_node`` workers."""
+    return {"LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node), "LOCAL_RANK": str(rank % per_node)}
+
+
 def run_cases(rank, world, cases, steps):
-    """For each ``(name, spec, options)``: ``steps`` steps of a fresh Compressor; see :func:`_steps`."""
+    """For each ``(name, spec, options)``: ``steps`` steps of a fresh Compressor; see :func:`_steps`. The option
+    ``torchrun=G`` sets torchrun's environment for nodes of G workers around the run (``topology`` stays auto)."""
     out = {}
     for name, spec, options in cases:
-        env = options.pop("env", None)
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        if env:  # torchrun's variables, as this rank's launcher would set them
-            os.environ.update({k: v(rank) for k, v in env.items()})
+        options = dict(options)
+        per_node = options.pop("torchrun", None)
+        env = _torchrun_env(rank, per_node) if per_node else {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             comp = gradcompress.Compressor(spec, min_numel=MIN_NUMEL, **options)
             out[name] = _steps(rank, comp, _params(), steps)
         finally:
             for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
     return out
 
 
@@ -103,3 +113,20 @@ def refuses_powersgd(rank, world, per_node):
     except ValueError as err:
         return str(err)
     return None
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def misc(rank, world, per_node):
+    """An Inf on one worker of node 0, a resume, and the refusals (powersgd, a G that does not divide W)."""
+    return {"poisoned": poisoned(rank, world, ["int8", "randomk:ratio=0.1"], per_node, 1, 1, 3),
+            "resumed": resumed(rank, world, "int8", per_node, 5, 2),
+            "powersgd": refuses_powersgd(rank, world, per_node),
+            "indivisible": _error_of(lambda: gradcompress.Compressor("int8", topology=world - 1).synchronize(
+                _params_with_grads(rank)))}
