@@ -107,7 +107,8 @@ def members_of(keys: Sequence[str]) -> list[list[int]]:
                          "launch every rank the same way, or pass topology= explicitly")
     sizes = {len(ranks) for ranks in nodes.values()}
     if len(sizes) > 1:
-        listed = "; ".join(f"node {key!r}: {len(r)} workers (ranks {', '.join(map(str, r))})" for key, r in nodes.items())
+        listed = "; ".join(f"node {key!r}: {len(r)} workers (ranks {', '.join(map(str, r))})"
+                           for key, r in nodes.items())
         raise ValueError(f"gradcompress: the nodes hold different numbers of the group's workers ({listed}); the "
                          "hierarchical exchange needs the same number per node: pass topology='flat'")
     return list(nodes.values())
