@@ -130,3 +130,13 @@ def misc(rank, world, per_node):
             "powersgd": refuses_powersgd(rank, world, per_node),
             "indivisible": _error_of(lambda: gradcompress.Compressor("int8", topology=world - 1).synchronize(
                 _params_with_grads(rank)))}
+
+
+def ddp_hierarchical(rank, world, per_node, spec, steps):
+    """The DDP hook (many buckets, warm-up included) and synchronize() with ``topology=per_node``."""
+    import workers
+
+    options = {"min_numel": 256, "topology": per_node, "warmup_steps": 1}
+    hook = workers.ddp_steps(rank, world, spec, steps, 0.005, dict(options), "hook")
+    sync = workers.ddp_steps(rank, world, spec, steps, options=dict(options), mode="synchronize")
+    return {"hook": hook, "sync": sync}

@@ -237,3 +237,16 @@ def test_local_reduce_scatter_and_single_process_stats():
     stats = comp.stats()
     assert stats["topology"] == {"nodes": None, "workers_per_node": None, "kind": "flat"}
     assert stats["inter_node_bytes"] == stats["intra_node_bytes"] == stats["wire_bytes"] == 0
+
+
+def test_ddp_hook_goes_hierarchical_with_buckets_and_warm_up():
+    """register_ddp_hook(..., topology=2): replicas equal; the same results as synchronize() (state is keyed by
+    tensor pieces, not buckets; rtol 1e-4 as for the flat exchange's bucket independence)."""
+    results = launch.run(nw.ddp_hierarchical, 4, 2, "int8", 3, timeout=TIMEOUT)
+    for rank in range(4):
+        hook, sync = results[rank]["hook"], results[rank]["sync"]
+        assert hook["stats"]["topology"]["kind"] == "hierarchical" and hook["stats"]["inter_node_bytes"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(hook["params"], results[0]["hook"]["params"])), rank
+        for step in range(3):
+            assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(hook["grads"][step],
+                                                                                  sync["grads"][step])), step
