@@ -13,6 +13,7 @@ bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
 * all-reduce: 2 (W-1)/W B (reduce-scatter + all-gather);
 * all-gather: (W-1) B (each rank forwards every other rank's block once);
 * all-to-all: (W-1)/W B (every block but its own);
+* reduce-scatter: (W-1)/W B (the first half of the ring all-reduce);
 * W = 1: nothing.
 
 :class:`LocalCollectives` stands in for a group without communication (a single process, or ``plan``'s
@@ -106,6 +107,13 @@ class Collectives:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return out, gather(out, t.reshape(-1), group=self.group, async_op=True)
 
+    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Equal splits: rank i receives block i of the sum over ranks of ``t`` (summed in ``t``'s dtype)."""
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
+        out = torch.empty(t.numel() // self.world, dtype=t.dtype, device=t.device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return out, scatter(out, t.reshape(-1), group=self.group, async_op=True)
+
     def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Equal splits: block j of ``t`` goes to rank j; block i of the result came from rank i."""
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
@@ -124,13 +132,16 @@ class Collectives:
             w.wait()
         self.comm_seconds += time.perf_counter() - start
 
-    def check_same(self, text: str, who: str) -> None:
-        """Raise on every rank unless every rank passes the same ``text`` (a configuration)."""
-        texts: list = [None] * self.world
-        dist.all_gather_object(texts, text, group=self.group)
+    def check_same(self, text: str, who: str, extra=None) -> list:
+        """Raise on every rank unless every rank passes the same ``text`` (a configuration); returns every rank's
+        ``extra`` (a small picklable value, e.g. its node), in rank order, gathered in the same round."""
+        pairs: list = [None] * self.world
+        dist.all_gather_object(pairs, (text, extra), group=self.group)
+        texts = [p[0] for p in pairs]
         if len(set(texts)) > 1:
             lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(texts))
             raise RuntimeError(f"{who}: ranks are configured differently, refusing to mix formats: {lines}")
+        return [p[1] for p in pairs]
 
 
 class Done:
@@ -166,14 +177,17 @@ class LocalCollectives(Collectives):
     def all_to_all(self, t):
         return t.clone(), Done()
 
+    def reduce_scatter(self, t):
+        return t.reshape(self.world, -1)[0] * self.world, Done()
+
     def all_to_all_v(self, t, in_splits, out_splits):
         return t.clone(), Done()
 
     def wait(self, works) -> None:
         pass
 
-    def check_same(self, text: str, who: str) -> None:
-        pass
+    def check_same(self, text: str, who: str, extra=None) -> list:
+        return [extra] * self.world
 
 
 def drive(jobs: list[Job], comm: Collectives) -> None:

@@ -17,9 +17,12 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from . import topology as topology_mod
 from .adapters import ddp_hook
 from .adapters import params as params_mod
+from .codecs.base import Aggregation
 from .collectives import Collectives, LocalCollectives
+from .exchanges.hierarchical import Hierarchy
 from .monitor import Telemetry
 from .schedule import SCHEDULES
 from .spec import make
@@ -51,7 +54,7 @@ _UNSET = object()  # an option not given as a keyword
 #: the Compressor's options and their defaults (each may also be given in the spec string, by name)
 DEFAULTS = dict(error_feedback="auto", server_error_feedback=False, momentum=0.0, warmup_steps=0, min_numel=1024,
                 seed=0, collective="auto", schedule=None, ramp_steps=0, residual_dtype=torch.float32,
-                monitor_every=0, overlap=False)
+                monitor_every=0, overlap=False, topology="auto", intra_node="none")
 
 
 def _options(spec, given: dict):
@@ -80,6 +83,7 @@ def _validate(o: dict) -> None:
     m = o["momentum"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
         raise ValueError(f"Compressor: momentum must be a number in [0, 1), got {m!r}")
+    topology_mod.check(o["topology"], o["intra_node"])
     if o["residual_dtype"] not in RESIDUAL_DTYPES:
         raise ValueError(f"Compressor: residual_dtype must be one of "
                          f"{', '.join(str(d) for d in RESIDUAL_DTYPES)}, got {o['residual_dtype']!r}")
@@ -135,11 +139,23 @@ class Compressor:
             pass — advancing blocks the backward thread on the earlier round, and on the netbench
             testbed (4 hosts, 2 cores) it did not pay (BENCHMARKS.md). Results are the same either
             way; every rank must use the same setting (checked).
+        topology: which workers share a node (:mod:`gradcompress.topology`): ``"auto"`` (default: torchrun's
+            ``LOCAL_WORLD_SIZE``/``GROUP_RANK``, else ``LOCAL_RANK``/``RANK``, else the hostnames; found once at the
+            first step), ``"flat"``, an ``int`` G (consecutive blocks of G ranks per node) or a 2-D ``DeviceMesh``
+            (dim 0 between nodes, dim 1 inside). With 2 or more nodes of 2 or more workers each the exchange is
+            hierarchical (:mod:`gradcompress.exchanges.hierarchical`: reduce-scatter inside the node, the codec's
+            exchange of each worker's 1/G shard between nodes, all-gather inside); otherwise flat, exactly as
+            before. Not with PowerSGD (whole matrices): ``ValueError`` for an explicit topology, flat with a
+            warning under ``"auto"``. A checkpoint records a hierarchical topology; loading it under another is
+            a ``ValueError``.
+        intra_node: the dtype of the hierarchical exchange's traffic inside a node: ``"none"`` (the gradients'
+            own), ``"bf16"`` or ``"fp16"`` (16 bits on the wire and in the sum, as BytePS does).
     """
 
     def __init__(self, spec, *, process_group=None, error_feedback=_UNSET, server_error_feedback=_UNSET,
                  momentum=_UNSET, warmup_steps=_UNSET, min_numel=_UNSET, seed=_UNSET, collective=_UNSET,
-                 schedule=_UNSET, ramp_steps=_UNSET, residual_dtype=_UNSET, monitor_every=_UNSET, overlap=_UNSET):
+                 schedule=_UNSET, ramp_steps=_UNSET, residual_dtype=_UNSET, monitor_every=_UNSET, overlap=_UNSET,
+                 topology=_UNSET, intra_node=_UNSET):
         given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not _UNSET}
         spec, o = _options(spec, given)
         self.codec = make(spec)
@@ -162,6 +178,7 @@ class Compressor:
         self.ramp_steps = _check_int("ramp_steps", o["ramp_steps"], 0)
         self.residual_dtype = o["residual_dtype"]
         self.monitor_every = _check_int("monitor_every", o["monitor_every"], 0)
+        self.topology, self.intra_node = o["topology"], o["intra_node"]
         self._runtime()
 
     def _runtime(self) -> None:
@@ -181,6 +198,10 @@ class Compressor:
         self._checked = False
         self._params_checked = False  # synchronize's one check that the replicas start equal
         self._saved_world: int | None = None  # a loaded state's world size, until compared with the group's
+        #: the hierarchical exchange's collectives (None: flat), and the group's ranks per node when known
+        self.hierarchy: Hierarchy | None = None
+        self._nodes: list | None = None
+        self._saved_topology: str | None = None  # a loaded state's topology, until compared with the group's
         self._key_of: dict[int, int] = {}
         self._totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0}
 
@@ -245,10 +266,48 @@ class Compressor:
             self._comm = self._group_collectives()
         self._reconcile_world()
         if not self._checked:
-            self._comm.check_same(f"{self.config()} overlap={self.overlap}", "gradcompress")
+            text = (f"{self.config()} overlap={self.overlap} topology={topology_mod.describe(self.topology)} "
+                    f"intra_node={self.intra_node}")
+            keys = self._comm.check_same(text, "gradcompress",
+                                         topology_mod.node_key() if self.topology == "auto" else None)
+            self._resolve_topology(keys)
             self._checked = True
+        self._reconcile_topology()
         self.current_step = Step(self, self._comm, self._close_step)
         return self.current_step
+
+    def _resolve_topology(self, keys) -> None:
+        """The nodes of the group and, when hierarchical, the collectives inside and between them (decided once,
+        at the first step, from every rank's node key: the same on every rank)."""
+        if isinstance(self._comm, LocalCollectives):
+            return
+        group = self._comm.group
+        self._nodes = topology_mod.nodes_of(self.topology, group, keys)
+        nodes = self._nodes
+        if nodes is None or len(nodes) < 2 or len(nodes[0]) < 2:
+            return
+        if self.codec.aggregation is Aggregation.LOWRANK and self.collective != "allgather":
+            reason = (f"{self.codec.name} needs whole matrices; the hierarchical exchange cuts tensors into flat "
+                      f"shards ({len(nodes)} nodes x {len(nodes[0])} workers)")
+            if self.topology != "auto":
+                raise ValueError(f"gradcompress: topology={topology_mod.describe(self.topology)} is not supported "
+                                 f"with {self.codec.name}: {reason}; pass topology='flat'")
+            warnings.warn(f"gradcompress: the exchange stays flat: {reason}", UserWarning, stacklevel=4)
+            return
+        self.hierarchy = Hierarchy(topology_mod.build(self.topology, nodes, group), self.intra_node)
+
+    def _topology_text(self) -> str:
+        """The resolved topology as a checkpoint records it (``"flat"``, or ``"NxG intra_node=..."``)."""
+        if self.hierarchy is None:
+            return "flat"
+        return f"{self.hierarchy.topology.text} intra_node={self.intra_node}"
+
+    def _reconcile_topology(self) -> None:
+        """A loaded state's topology must be this group's (its state keys are pieces of a G-way cut)."""
+        saved, self._saved_topology = self._saved_topology, None
+        if saved is not None and saved != self._topology_text():
+            raise ValueError(f"Compressor.load_state_dict: the state was saved with topology {saved!r}, this "
+                             f"compressor runs {self._topology_text()!r}; resume with the same topology")
 
     def _group_collectives(self) -> Collectives:
         """The collectives of the process group; a ``RuntimeError`` naming the fix when ``torch.distributed`` is
@@ -344,10 +403,15 @@ class Compressor:
         element size) summed over steps; ``wire_bytes``: bytes this rank transmitted
         through collectives, counted as ring algorithms send them (see
         :mod:`gradcompress.collectives`); ``ratio``: raw / wire; ``codec_seconds``: time in
-        encode/decode and state updates; ``comm_seconds``: time waiting on collectives.
+        encode/decode and state updates; ``comm_seconds``: time waiting on collectives;
+        ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent between nodes / inside a node
+        (flat: all of it between nodes, unless the group is known to be one node; hierarchical: the collectives
+        between nodes, and those of dense groups and FSDP's reduce-scatter, which stay flat, count between);
+        ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and ``kind`` (``"flat"`` or
+        ``"hierarchical"``).
         """
-        wire = self._comm.wire_bytes if self._comm else 0
-        raw = self._totals["raw_bytes"]
+        inter, intra, monitor = self._bytes()
+        wire, raw = inter + intra, self._totals["raw_bytes"]
         return {
             "steps": self._totals["steps"],
             "skipped": self._totals["skipped"],
@@ -356,17 +420,38 @@ class Compressor:
             "ratio": raw / wire if wire else float("inf") if raw else 1.0,
             "codec_seconds": self._totals["codec_seconds"],
             "comm_seconds": self._comm.comm_seconds if self._comm else 0.0,
-            "monitor_bytes": self._comm.monitor_bytes if self._comm else 0,
+            "monitor_bytes": monitor,
             "monitor": self.telemetry.stats(),
+            "inter_node_bytes": inter,
+            "intra_node_bytes": intra,
+            "topology": self._topology_stats(),
         }
+
+    def _bytes(self) -> tuple[int, int, int]:
+        """(bytes sent between nodes, inside a node, telemetry's), see :meth:`stats`."""
+        flat = self._comm.wire_bytes if self._comm else 0
+        monitor = self._comm.monitor_bytes if self._comm else 0
+        if self.hierarchy is not None:
+            intra, inter = self.hierarchy.intra, self.hierarchy.inter
+            return flat + inter.wire_bytes, intra.wire_bytes, monitor + intra.monitor_bytes + inter.monitor_bytes
+        if self._nodes is not None and len(self._nodes) == 1:
+            return 0, flat, monitor
+        return flat, 0, monitor
+
+    def _topology_stats(self) -> dict:
+        nodes = self._nodes
+        return {"nodes": len(nodes) if nodes else None, "workers_per_node": len(nodes[0]) if nodes else None,
+                "kind": "flat" if self.hierarchy is None else "hierarchical"}
 
     def state_dict(self) -> dict:
         """Tensors and plain values only (``torch.load(..., weights_only=True)`` reads it).
 
         ``world``: the size of the group the state was made in (residuals are per rank, the server residuals
-        one chunk of W); :meth:`load_state_dict` compares it with the group it resumes in.
+        one chunk of W); :meth:`load_state_dict` compares it with the group it resumes in. ``topology`` (only when
+        the exchange is hierarchical, ``"NxG intra_node=..."``): loading it under another topology is an error.
         """
-        return {"config": self.config(), "world": self._world(), **self.state.state_dict()}
+        extra = {"topology": self._topology_text()} if self.hierarchy is not None else {}
+        return {"config": self.config(), "world": self._world(), **extra, **self.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`. Saved with another world size, what stays valid is kept (PowerSGD's
@@ -381,8 +466,11 @@ class Compressor:
             raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")
         self.state.load_state_dict(state)
         self._saved_world = world
+        self._saved_topology = state.get("topology", "flat")
         if self._comm is not None:
             self._reconcile_world()
+        if self._checked:
+            self._reconcile_topology()
 
     def _world(self) -> int:
         """The world size of this compressor's state (see :meth:`state_dict`)."""

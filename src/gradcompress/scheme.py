@@ -39,7 +39,8 @@ BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 SCHEME_OPTIONS = ("diloco", "compressed_adam")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
 COMPRESSOR_OPTIONS = ("error_feedback", "server_error_feedback", "momentum", "warmup_steps", "min_numel", "seed",
-                      "collective", "schedule", "ramp_steps", "residual_dtype", "monitor_every", "overlap")
+                      "collective", "schedule", "ramp_steps", "residual_dtype", "monitor_every", "overlap", "topology",
+                      "intra_node")
 #: the Compressor options a scheme may set (``sign:momentum=0.9``); the CLI sets warm-up, seed and telemetry itself
 SCHEME_COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule",
                              "ramp_steps", "overlap")

@@ -156,7 +156,12 @@ class Step:
     def _group_job(self, keys, grads, buffer, force_dense: bool) -> Job:
         self.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
         codec = None if force_dense else self.codec
-        ctx = self.ctx
+        ctx, c = self.ctx, self.compressor
+        gathered = c.collective == "allgather"
+        aggregation = None if codec is None else Aggregation.GATHER if gathered else codec.aggregation
+        if c.hierarchy is not None and not force_dense:  # dense inside each node, the codec's exchange between
+            yield from c.hierarchy.exchange(codec, aggregation, c.seed, c.min_numel).job(ctx, keys, grads)
+            return
         if codec is None or codec.exact:  # dense: DDP's own all-reduce (plus momentum correction)
             if ctx.transforms.momentum is not None:
                 for k, g in zip(keys, grads):
@@ -164,8 +169,6 @@ class Step:
             monitored = ctx.monitor is not None and not force_dense
             yield from DenseExchange(self.comm).job(ctx, keys, grads, buffer, monitored)
             return
-        c = self.compressor
-        aggregation = Aggregation.GATHER if c.collective == "allgather" else codec.aggregation
         inner = algebra_exchange(self.comm, codec, aggregation, c.seed)
         yield from GroupExchange(self.comm, codec, inner, c.min_numel).job(ctx, keys, grads)
 

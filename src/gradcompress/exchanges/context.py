@@ -84,6 +84,11 @@ class Context:
         if values is not None:
             self.check(all_finite(values))
 
+    def apart(self) -> "ChecksApart":
+        """This context with its finiteness checks kept apart (for an exchange run on a sub-group, whose checks
+        hold on that sub-group only and are propagated by the exchange that wraps it)."""
+        return ChecksApart(self)
+
     def seed(self, key: Hashable, codec, salt: int = 0, shared: bool = False) -> int:
         """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs, or ``shared``)."""
         rank = 0 if codec.shared_seed or shared else self.rank
@@ -117,4 +122,29 @@ class Context:
         return buf
 
 
-__all__ = ["Context", "all_finite", "key_number", "mix_seed"]
+class ChecksApart:
+    """A :class:`Context` whose :meth:`check` collects into its own ``checks`` (everything else is the step's
+    context's): what an inner exchange found finite on its sub-group, which the wrapping exchange propagates."""
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+        self.checks: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._ctx, name)
+
+    def check(self, flag: torch.Tensor) -> None:
+        self.checks.append(flag)
+
+    def check_values(self, values: torch.Tensor | None) -> None:
+        if values is not None:
+            self.check(all_finite(values))
+
+    def all_checked(self, device) -> torch.Tensor:
+        """0-d bool: every check collected so far holds (True when there is none)."""
+        if not self.checks:
+            return torch.ones((), dtype=torch.bool, device=device)
+        return torch.stack(self.checks).all()
+
+
+__all__ = ["ChecksApart", "Context", "all_finite", "key_number", "mix_seed"]

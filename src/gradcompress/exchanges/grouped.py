@@ -40,11 +40,11 @@ class GroupExchange:
     def __init__(self, comm: Collectives, codec: Codec, inner, min_numel: int):
         self.comm, self.codec, self.inner, self.min_numel = comm, codec, inner, min_numel
 
-    def _split(self, keys, grads):
+    def _split(self, keys, grads, dense_keys):
         dense, comp = [], []
         lowrank = self.inner.aggregation is Aggregation.LOWRANK
         for k, g in zip(keys, grads):
-            small = g.numel() < self.min_numel or (lowrank and not self.inner.takes(g))
+            small = k in dense_keys or g.numel() < self.min_numel or (lowrank and not self.inner.takes(g))
             (dense if small else comp).append((k, g))
         return dense, comp
 
@@ -65,8 +65,10 @@ class GroupExchange:
         ok = ([] if ride else [all_finite(x) for x in inputs]) + [all_finite(g) for _, g in dense]
         return torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
 
-    def job(self, ctx, keys, grads) -> Job:
-        dense, comp = self._split(keys, grads)
+    def job(self, ctx, keys, grads, dense_keys=frozenset()) -> Job:
+        """The job; ``dense_keys``: keys sent dense whatever their size (pieces of small tensors, as the hierarchical
+        exchange cuts them)."""
+        dense, comp = self._split(keys, grads, dense_keys)
         if ctx.transforms.momentum is not None:
             for k, g in dense:
                 ctx.transforms.dense(k, g)

@@ -1,0 +1,144 @@
+"""The hierarchical exchange: dense inside a node, the codec's own exchange between nodes, on 1/G of the gradients.
+
+For N nodes of G workers (``topology=`` of the Compressor, :mod:`gradcompress.topology`), worker j of a node:
+
+1. inside the node, a reduce-scatter of the group's tensors: each tensor is cut into G pieces of ceil(n / G)
+   elements (the last zero-padded), piece j of every tensor in block j; what is sent: (G-1)/G of the group's
+   bytes, in the gradients' dtype or in bf16/fp16 (``intra_node``, as BytePS does: 16-bit on the wire and in the
+   sum). Worker j then holds its node's sum of the pieces j, divided by G the node mean;
+2. between nodes, the inner exchange (the codec's, :class:`~.grouped.GroupExchange` over the algebra's exchange,
+   or a dense all-reduce for ``none`` and warm-up steps) of these pieces among the workers with local rank j on
+   every node. Each piece is its own state key (``"<key>:<j>/<G>"``, independent of how tensors are bucketed):
+   worker error feedback and momentum correction act on the piece this worker sends, so a residual costs 1/G of
+   a gradient; pieces of tensors below ``min_numel`` travel dense;
+3. inside the node, an all-gather of the averaged pieces and one finiteness flag per worker (in the same dtype as
+   step 1), scattered back into the gradients.
+
+Bias: the inner codec's, on node means instead of single workers' gradients (plus the 16-bit rounding of the
+``intra_node`` casts, both ways). Between nodes each worker sends the codec's payload of 1/G of the gradients, so a
+node's uplink carries about 2 c (N-1)/N for a codec of c bytes per gradient instead of G c (N-1)/N flat.
+When to use: several workers per node on a fast link inside (NVLink, PCIe, shared memory) and a slow one between.
+Not for PowerSGD (it needs whole matrices; the Compressor refuses it).
+
+Finiteness: the inner exchange's checks hold on its sub-group only (a NaN in one worker's gradient reaches only
+the piece that holds it); they become this worker's flag, gathered inside the node with the result, and the step
+reads the gathered buffer: a NaN/Inf on any worker of any node makes every rank's result non-finite and the
+decision the same everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ..codecs.base import Aggregation, Codec
+from ..collectives import Collectives, Job
+from .context import all_finite
+from .dense import DenseExchange
+from .grouped import GroupExchange, algebra_exchange
+from .layout import split
+
+CASTS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def piece_numel(numel: int, parts: int) -> int:
+    """Elements of each of a tensor's ``parts`` pieces: ceil(numel / parts)."""
+    return -(-numel // parts)
+
+
+def piece_key(key, local_rank: int, parts: int) -> str:
+    """The state key of piece ``local_rank`` of ``parts`` of the tensor ``key`` (a string: checkpoints keep it)."""
+    return f"{key}:{local_rank}/{parts}"
+
+
+class _Dense:
+    """The inner exchange of dense steps: momentum correction, then an all-reduce of the pieces."""
+
+    def __init__(self, comm: Collectives):
+        self.comm = comm
+
+    def job(self, ctx, keys, pieces, dense_keys) -> Job:
+        if ctx.transforms.momentum is not None:
+            for k, x in zip(keys, pieces):
+                ctx.transforms.dense(k, x)
+        yield from DenseExchange(self.comm).job(ctx, keys, pieces, None, ctx.monitor is not None)
+
+
+class Hierarchy:
+    """The collectives of a hierarchical topology, kept across steps (their byte counters are
+    ``stats()["intra_node_bytes"]`` and ``["inter_node_bytes"]``): ``intra`` on this node's workers, ``inter`` on
+    the workers of this local rank on every node; ``intra_node``: the dtype of the traffic inside the node."""
+
+    def __init__(self, topology, intra_node: str = "none"):
+        self.topology = topology
+        self.intra, self.inter = Collectives(topology.intra), Collectives(topology.inter)
+        self.cast = CASTS[intra_node]
+
+    def exchange(self, codec: Codec | None, aggregation: Aggregation | None, seed: int,
+                 min_numel: int) -> "HierarchicalExchange":
+        """The hierarchical exchange of a step with ``codec`` (None or exact: dense)."""
+        if codec is None or codec.exact:
+            inner = _Dense(self.inter)
+        else:
+            inner = GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, aggregation, seed), 0)
+        return HierarchicalExchange(self.intra, inner, self.cast, min_numel)
+
+
+class HierarchicalExchange:
+    """Reduce-scatter inside the node, ``inner`` between nodes on the pieces, all-gather inside (module doc)."""
+
+    def __init__(self, intra: Collectives, inner, cast: torch.dtype | None, min_numel: int):
+        self.intra, self.inner, self.cast, self.min_numel = intra, inner, cast, min_numel
+
+    def _wire_dtype(self, grads) -> torch.dtype:
+        if self.cast is not None:
+            return self.cast
+        dtypes = {g.dtype for g in grads}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+    def _blocks(self, ctx, keys, grads, per, offsets, dtype) -> torch.Tensor:
+        """The reduce-scatter's input: G blocks, block j = piece j of every tensor (padding stays zero)."""
+        parts = self.intra.world
+        send = ctx.zeroed("intra send", tuple(keys), parts * offsets[-1], dtype, grads[0].device).view(parts, -1)
+        for g, o, p in zip(grads, offsets, per):
+            flat = g.detach().reshape(-1)
+            rows, rest = divmod(flat.numel(), p) if p else (0, 0)
+            send[:rows, o : o + p] = flat[: rows * p].view(rows, p)
+            if rest:
+                send[rows, o : o + rest] = flat[rows * p :]
+        return send
+
+    def job(self, ctx, keys, grads) -> Job:
+        if not grads:
+            return
+        parts, me = self.intra.world, self.intra.rank
+        per = [piece_numel(g.numel(), parts) for g in grads]
+        offsets = [0, *itertools.accumulate(per)]
+        dtype = self._wire_dtype(grads)
+        shard, work = self.intra.reduce_scatter(self._blocks(ctx, keys, grads, per, offsets, dtype))
+        yield [work]
+        shard = shard.float().div_(parts)  # the node mean of this worker's pieces
+        pkeys = [piece_key(k, me, parts) for k in keys]
+        small = frozenset(pk for pk, g in zip(pkeys, grads) if g.numel() < self.min_numel)
+        inner = ctx.apart()
+        yield from self.inner.job(inner, pkeys, split(shard, [(p,) for p in per]), small)
+        flag = torch.where(inner.all_checked(shard.device), 0.0, math.nan).reshape(1)
+        gathered, work = self.intra.all_gather_flat(torch.cat([shard, flag]).to(dtype))
+        yield [work]
+        ctx.check(all_finite(gathered))
+        self._land(gathered.view(parts, -1), grads, per, offsets)
+
+    @staticmethod
+    def _land(gathered: torch.Tensor, grads, per, offsets) -> None:
+        """The gathered pieces back into the gradients; every worker's flag added to each gradient's first element
+        (0 when every worker was finite, NaN else: the result is then non-finite on every rank)."""
+        flags = gathered[:, -1].float().sum()
+        for g, o, p in zip(grads, offsets, per):
+            if g.numel():
+                g.copy_(gathered[:, o : o + p].reshape(-1)[: g.numel()].view(g.shape))
+                g[(0,) * g.dim()].add_(flags)
+
+
+__all__ = ["CASTS", "Hierarchy", "HierarchicalExchange", "piece_key", "piece_numel"]

@@ -1,0 +1,142 @@
+"""Worker functions for the topology tests (tests/test_nodes.py): simulated nodes of a few gloo processes.
+
+Gradients are a pure function of (rank, step, tensor), so the test recomputes every rank's inputs itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+import gradcompress
+
+#: a matrix and a vector compressed (their pieces straddle min_numel), a bias sent dense
+SHAPES = [(48, 64), (2000,), (10,)]
+MIN_NUMEL = 1000
+
+
+def grad(rank: int, step: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100_000 * step + 100 * rank + i)
+    return torch.randn(SHAPES[i], generator=g) * (1.0 + 0.5 * i)
+
+
+def _params():
+    return [nn.Parameter(torch.zeros(s)) for s in SHAPES]
+
+
+def _steps(rank: int, comp, params, steps, start: int = 0, poison: tuple | None = None) -> dict:
+    """``steps`` synchronize() steps from ``start``; ``poison=(rank, step)``: an Inf in that rank's first tensor
+    at that step. Returns per step the averaged gradients, committed flags and the state after the step."""
+    out = {"grads": [], "committed": [], "states": []}
+    for step in range(start, start + steps):
+        for i, p in enumerate(params):
+            p.grad = grad(rank, step, i)
+        if poison == (rank, step):
+            params[0].grad.view(-1)[5] = float("inf")
+        out["committed"].append(comp.synchronize(params))
+        out["grads"].append([p.grad.clone() for p in params])
+        out["states"].append(comp.state_dict())
+    out["stats"] = comp.stats()
+    return out
+
+
+def _torchrun_env(rank: int, per_node: int) -> dict:
+    """What torchrun sets for ``rank`` on nodes of ``per_node`` workers."""
+    return {"LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node), "LOCAL_RANK": str(rank % per_node)}
+
+
+def run_cases(rank, world, cases, steps):
+    """For each ``(name, spec, options)``: ``steps`` steps of a fresh Compressor; see :func:`_steps`. The option
+    ``torchrun=G`` sets torchrun's environment for nodes of G workers around the run (``topology`` stays auto)."""
+    out = {}
+    for name, spec, options in cases:
+        options = dict(options)
+        per_node = options.pop("torchrun", None)
+        env = _torchrun_env(rank, per_node) if per_node else {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            comp = gradcompress.Compressor(spec, min_numel=MIN_NUMEL, **options)
+            out[name] = _steps(rank, comp, _params(), steps)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    return out
+
+
+def poisoned(rank, world, specs, per_node, bad_rank, bad_step, steps):
+    """For each spec: an Inf on ``bad_rank`` at ``bad_step`` (error feedback and momentum state on)."""
+    out = {}
+    for spec in specs:
+        comp = gradcompress.Compressor(spec, min_numel=MIN_NUMEL, topology=per_node, momentum=0.9)
+        out[spec] = _steps(rank, comp, _params(), steps, poison=(bad_rank, bad_step))
+    return out
+
+
+def resumed(rank, world, spec, per_node, steps, cut):
+    """``steps`` steps straight, and ``cut`` steps then a state_dict loaded into a fresh Compressor for the rest."""
+    options = dict(min_numel=MIN_NUMEL, topology=per_node, momentum=0.9)
+    straight = _steps(rank, gradcompress.Compressor(spec, **options), _params(), steps)
+    first = gradcompress.Compressor(spec, **options)
+    _steps(rank, first, _params(), cut)
+    state = first.state_dict()
+    second = gradcompress.Compressor(spec, **options)
+    second.load_state_dict(state)
+    rest = _steps(rank, second, _params(), steps - cut, start=cut)
+    flat = gradcompress.Compressor(spec, min_numel=MIN_NUMEL, topology="flat", momentum=0.9)
+    flat.load_state_dict(state)
+    try:
+        flat.synchronize(_params_with_grads(rank))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return {"straight": straight, "rest": rest, "saved_topology": state.get("topology"), "refused": refused}
+
+
+def _params_with_grads(rank):
+    params = _params()
+    for i, p in enumerate(params):
+        p.grad = grad(rank, 0, i)
+    return params
+
+
+def refuses_powersgd(rank, world, per_node):
+    """The error of powersgd with an explicit hierarchical topology (None if it ran)."""
+    comp = gradcompress.Compressor("powersgd:rank=2", min_numel=MIN_NUMEL, topology=per_node)
+    try:
+        comp.synchronize(_params_with_grads(rank))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def misc(rank, world, per_node):
+    """An Inf on one worker of node 0, a resume, and the refusals (powersgd, a G that does not divide W)."""
+    return {"poisoned": poisoned(rank, world, ["int8", "randomk:ratio=0.1"], per_node, 1, 1, 3),
+            "resumed": resumed(rank, world, "int8", per_node, 5, 2),
+            "powersgd": refuses_powersgd(rank, world, per_node),
+            "indivisible": _error_of(lambda: gradcompress.Compressor("int8", topology=world - 1).synchronize(
+                _params_with_grads(rank)))}
+
+
+def ddp_hierarchical(rank, world, per_node, spec, steps):
+    """The DDP hook (many buckets, warm-up included) and synchronize() with ``topology=per_node``."""
+    import workers
+
+    options = {"min_numel": 256, "topology": per_node, "warmup_steps": 1}
+    hook = workers.ddp_steps(rank, world, spec, steps, 0.005, dict(options), "hook")
+    sync = workers.ddp_steps(rank, world, spec, steps, options=dict(options), mode="synchronize")
+    return {"hook": hook, "sync": sync}

@@ -1,0 +1,252 @@
+"""The topology-aware exchange (issue 21) on real gloo processes, nodes simulated with an explicit ``topology=``:
+2 nodes x 2 workers and 2 nodes x 3, ``"auto"`` on one node of 4 processes (flat) and from torchrun's variables.
+
+Every launch has a timeout: a deadlock fails the test instead of hanging CI.
+"""
+
+import math
+
+import pytest
+import torch
+
+import gradcompress
+import nodes_workers as nw
+from gradcompress import launch, topology
+from gradcompress.collectives import LocalCollectives
+from gradcompress.exchanges.layout import chunk_numel, fills_buckets
+
+TIMEOUT = 600
+STEPS = 6
+CASES = [("none", "none", {}), ("int8 noef", "int8", {"error_feedback": False}),
+         ("int4 noef", "int4", {"error_feedback": False}), ("int8", "int8", {}), ("topk", "topk:ratio=0.1", {})]
+
+
+def _with(per_node, cases):
+    return [(name, spec, {"topology": per_node, **opts}) for name, spec, opts in cases]
+
+
+FOUR = _with(2, CASES) + [("none flat", "none", {"topology": "flat"}), ("int8 flat", "int8", {"topology": "flat"}),
+                          ("int8 auto", "int8", {}), ("int8 torchrun", "int8", {"torchrun": 2}),
+                          ("int8 bf16", "int8", {"topology": 2, "intra_node": "bf16"})]
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (6, 3)], ids=["2x2", "2x3"])
+def nodes(request):
+    world, per_node = request.param
+    cases = FOUR if world == 4 else _with(per_node, CASES)
+    return world, per_node, launch.run(nw.run_cases, world, cases, STEPS, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def misc():
+    return launch.run(nw.misc, 4, 2, timeout=TIMEOUT)
+
+
+def _inputs(world, step, i):
+    return [nw.grad(r, step, i) for r in range(world)]
+
+
+def _node_means(world, per_node, step, i):
+    xs = _inputs(world, step, i)
+    return [sum(xs[n * per_node:(n + 1) * per_node]) / per_node for n in range(world // per_node)]
+
+
+def _mean(world, step, i):
+    return sum(_inputs(world, step, i)) / world
+
+
+def test_none_hierarchical_equals_a_dense_all_reduce(nodes):
+    """Within float32 reassociation (the node sums first, then between nodes): rtol 1e-5, atol 1e-6."""
+    world, per_node, results = nodes
+    for rank in range(world):
+        got = results[rank]["none"]
+        assert got["stats"]["topology"] == {"nodes": world // per_node, "workers_per_node": per_node,
+                                            "kind": "hierarchical"}
+        for step in range(STEPS):
+            for i in range(len(nw.SHAPES)):
+                assert torch.allclose(got["grads"][step][i], _mean(world, step, i), rtol=1e-5, atol=1e-6), (step, i)
+                if "none flat" in results[rank]:
+                    flat = results[rank]["none flat"]["grads"][step][i]
+                    assert torch.allclose(got["grads"][step][i], flat, rtol=1e-5, atol=1e-6), (step, i)
+
+
+@pytest.mark.parametrize("name,qmax", [("int8 noef", 127), ("int4 noef", 7)])
+def test_quantisers_within_their_bound_of_the_node_means(nodes, name, qmax):
+    """Two roundings to nearest (each node's mean, then the owner's re-encode of the average), each at most half a
+    step of a scale <= the largest |node mean| / qmax (the re-encode's <= (1 + 1/(2 qmax)) of it)."""
+    world, per_node, results = nodes
+    for step in range(STEPS):
+        for i in range(2):  # the compressed tensors (the bias travels dense: exact)
+            top = max(float(m.abs().max()) for m in _node_means(world, per_node, step, i))
+            bound = (top + top * (1 + 1 / (2 * qmax))) / (2 * qmax) * (1 + 1e-5)
+            err = (results[0][name]["grads"][step][i] - _mean(world, step, i)).abs().max()
+            assert 0 < err <= bound, (step, i, float(err), bound)
+        assert torch.allclose(results[0][name]["grads"][step][2], _mean(world, step, 2), rtol=1e-5, atol=1e-6)
+
+
+def _residual(results, world, per_node, name, i):
+    """Each node's residual of tensor i (its workers' pieces back to back), the mean over nodes."""
+    n = math.prod(nw.SHAPES[i])
+    per = -(-n // per_node)
+    nodes = []
+    for node in range(world // per_node):
+        pieces = []
+        for j in range(per_node):
+            state = results[node * per_node + j][name]["states"][-1]["residual"]
+            piece = state.get(f"{i}:{j}/{per_node}", torch.zeros(per))
+            assert piece.numel() == per  # the residual is this worker's 1/G piece
+            pieces.append(piece.reshape(-1))
+        nodes.append(torch.cat(pieces)[:n].view(nw.SHAPES[i]))
+    return sum(nodes) / len(nodes)
+
+
+def test_error_feedback_invariant_over_many_steps(nodes):
+    """top-k (gathered, no re-encode): sum of results + the nodes' mean residual = sum of the global means."""
+    world, per_node, results = nodes
+    for i in range(len(nw.SHAPES)):
+        delivered = sum(results[0]["topk"]["grads"][step][i] for step in range(STEPS))
+        inputs = sum(_mean(world, step, i) for step in range(STEPS))
+        residual = _residual(results, world, per_node, "topk", i)
+        assert torch.allclose(delivered + residual, inputs, rtol=1e-5, atol=1e-5), i
+        if i < 2:
+            assert float(residual.abs().max()) > 0.1  # something was held back
+
+
+def test_replicas_equal_after_every_step(nodes):
+    world, _, results = nodes
+    for name, got in results[0].items():
+        assert all(got["committed"]), name
+        for rank in range(1, world):
+            for step in range(STEPS):
+                assert all(torch.equal(a, b) for a, b in zip(got["grads"][step], results[rank][name]["grads"][step])), \
+                    (name, rank, step)
+
+
+def _expected_bytes(codec, world, per_node):
+    """(inter, intra) bytes per step of the hierarchical exchange of nw.SHAPES, float32, from the payloads' sizes
+    and the ring formulas (an int8 case: the pieces of the two large tensors through the two-step reduce)."""
+    nodes = world // per_node
+    per = [-(-math.prod(s) // per_node) for s in nw.SHAPES]
+    small = [p for p, s in zip(per, nw.SHAPES) if math.prod(s) < nw.MIN_NUMEL]
+    big = [p for p, s in zip(per, nw.SHAPES) if math.prod(s) >= nw.MIN_NUMEL]
+    inter = 2 * (nodes - 1) * (sum(small) + 1) * 4 // nodes  # the dense batch and the flag
+    whole = [p for p in big if fills_buckets(p, codec.bucket)]
+    buckets = sum(-(-p // codec.bucket) for p in whole)
+    chunk = codec.wire_nbytes(-(-buckets // nodes) * codec.bucket) if whole else 0
+    chunk += sum(codec.wire_nbytes(chunk_numel(p, nodes, 8)) for p in big if p not in whole)
+    inter += 2 * (nodes - 1) * chunk
+    block = sum(per)
+    intra = (per_node - 1) * block * 4 + (per_node - 1) * (block + 1) * 4  # reduce-scatter + all-gather
+    return inter, intra
+
+
+def test_inter_node_bytes_equal_the_payload_arithmetic(nodes):
+    world, per_node, results = nodes
+    inter, intra = _expected_bytes(gradcompress.make("int8"), world, per_node)
+    for rank in range(world):
+        stats = results[rank]["int8"]["stats"]
+        assert stats["inter_node_bytes"] == STEPS * inter, rank
+        assert stats["intra_node_bytes"] == STEPS * intra, rank
+        assert stats["wire_bytes"] == stats["inter_node_bytes"] + stats["intra_node_bytes"]
+        if "int8 bf16" in results[rank]:  # 16-bit inside the node: half the intra-node bytes, the same between
+            bf16 = results[rank]["int8 bf16"]["stats"]
+            assert bf16["intra_node_bytes"] * 2 == STEPS * intra and bf16["inter_node_bytes"] == STEPS * inter
+    if world == 4:  # flat int8 on the same 4 workers sends every payload over the group: 3x these inter bytes
+        flat = results[0]["int8 flat"]["stats"]
+        assert flat["inter_node_bytes"] == flat["wire_bytes"] > 2.9 * STEPS * inter
+
+
+def test_auto_on_one_node_stays_flat_bit_for_bit(nodes):
+    world, _, results = nodes
+    if world != 4:
+        pytest.skip("run on the 4-process launch")
+    for rank in range(world):
+        auto, flat = results[rank]["int8 auto"], results[rank]["int8 flat"]
+        assert auto["stats"]["topology"] == {"nodes": 1, "workers_per_node": 4, "kind": "flat"}
+        assert auto["stats"]["intra_node_bytes"] == auto["stats"]["wire_bytes"] == flat["stats"]["wire_bytes"]
+        assert auto["stats"]["inter_node_bytes"] == 0
+        for a, b in zip(auto["grads"], flat["grads"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert "topology" not in auto["states"][-1]  # a flat state is today's, key for key
+
+
+def test_auto_from_torchrun_variables_goes_hierarchical(nodes):
+    world, _, results = nodes
+    if world != 4:
+        pytest.skip("run on the 4-process launch")
+    for rank in range(world):
+        env, explicit = results[rank]["int8 torchrun"], results[rank]["int8"]
+        assert env["stats"]["topology"] == {"nodes": 2, "workers_per_node": 2, "kind": "hierarchical"}
+        for a, b in zip(env["grads"], explicit["grads"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("spec", ["int8", "randomk:ratio=0.1"])
+def test_an_inf_on_one_worker_of_one_node_is_non_finite_everywhere(misc, spec):
+    for rank, out in enumerate(misc):
+        got = out["poisoned"][spec]
+        assert got["committed"] == [True, False, True], rank
+        assert all(not bool(torch.isfinite(g).all()) for g in got["grads"][1]), rank
+        assert all(bool(torch.isfinite(g).all()) for g in got["grads"][2]), rank
+        before, after = got["states"][0], got["states"][1]
+        assert before["step"] == after["step"] == 1
+        for slot in ("residual", "momentum"):
+            assert before[slot].keys() == after[slot].keys() and before[slot], (rank, slot)
+            assert all(torch.equal(before[slot][k], after[slot][k]) for k in before[slot]), (rank, slot)
+
+
+def test_resume_bit_for_bit_with_the_same_topology(misc):
+    for rank, out in enumerate(misc):
+        got = out["resumed"]
+        assert got["saved_topology"] == "2x2 intra_node=none"
+        for a, b in zip(got["rest"]["grads"], got["straight"]["grads"][2:]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+        assert "saved with topology '2x2 intra_node=none'" in got["refused"] and "'flat'" in got["refused"]
+
+
+def test_refusals_name_the_reason(misc):
+    for out in misc:
+        assert "powersgd needs whole matrices" in out["powersgd"] and "topology='flat'" in out["powersgd"]
+        assert "topology=3 (workers per node) does not divide the group's 4 workers" in out["indivisible"]
+
+
+def test_options_are_checked_at_construction():
+    for bad in ("mesh", 0, True, 2.0):
+        with pytest.raises(ValueError, match="topology must be 'auto', 'flat', an integer >= 1"):
+            gradcompress.Compressor("int8", topology=bad)
+    with pytest.raises(ValueError, match="intra_node must be one of none, bf16, fp16"):
+        gradcompress.Compressor("int8", intra_node="int8")
+    assert gradcompress.Compressor("int8:topology=2,intra_node=bf16").topology == 2
+
+
+def test_unequal_nodes_are_named():
+    with pytest.raises(ValueError, match=r"node 'host=a': 3 workers \(ranks 0, 1, 3\); node 'host=b': 1 workers"):
+        topology.members_of(["host=a", "host=a", "host=b", "host=a"])
+    assert topology.members_of(["host=b", "host=a", "host=b", "host=a"]) == [[0, 2], [1, 3]]
+
+
+def test_local_reduce_scatter_and_single_process_stats():
+    comm = LocalCollectives(2)
+    out, work = comm.reduce_scatter(torch.arange(6.0))
+    work.wait()
+    assert torch.equal(out, torch.tensor([0.0, 2.0, 4.0]))
+    comp = gradcompress.Compressor("int8")
+    p = torch.nn.Parameter(torch.zeros(2000))
+    p.grad = torch.randn(2000)
+    comp.synchronize([p], collectives=LocalCollectives(1))
+    stats = comp.stats()
+    assert stats["topology"] == {"nodes": None, "workers_per_node": None, "kind": "flat"}
+    assert stats["inter_node_bytes"] == stats["intra_node_bytes"] == stats["wire_bytes"] == 0
+
+
+def test_ddp_hook_goes_hierarchical_with_buckets_and_warm_up():
+    """register_ddp_hook(..., topology=2): replicas equal; the same results as synchronize() (state is keyed by
+    tensor pieces, not buckets; rtol 1e-4 as for the flat exchange's bucket independence)."""
+    results = launch.run(nw.ddp_hierarchical, 4, 2, "int8", 3, timeout=TIMEOUT)
+    for rank in range(4):
+        hook, sync = results[rank]["hook"], results[rank]["sync"]
+        assert hook["stats"]["topology"]["kind"] == "hierarchical" and hook["stats"]["inter_node_bytes"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(hook["params"], results[0]["hook"]["params"])), rank
+        for step in range(3):
+            assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(hook["grads"][step],
+                                                                                  sync["grads"][step])), step
