@@ -185,8 +185,8 @@ def test_register_fsdp_on_a_model_without_fsdp_names_fully_shard(run):
     _, results = run
     for r in results:
         g = r["register"]
-        _raised(g["fsdp_plain"], "ValueError", "no FSDP module", "fully_shard", "Linear")
-        _raised(g["fsdp_ddp"], "ValueError", "register_ddp_hook")
+        _raised(g["fsdp_plain"], "NotShardedError", "no FSDP module", "fully_shard", "Linear")
+        _raised(g["fsdp_ddp"], "NotShardedError", "register_ddp_hook")
         _raised(g["fsdp_params"], "TypeError", "torch.nn.Module", "got list")
 
 
@@ -226,3 +226,9 @@ def test_resume_four_workers_state_on_two(two):
 
 def test_resume_two_workers_state_on_four(four_resumed):
     _check_resumed(four_resumed, 2, 4)
+
+
+def test_a_model_fully_shard_has_not_sharded_is_a_type_error():
+    from gradcompress.adapters.fsdp import NotShardedError
+
+    assert issubclass(NotShardedError, TypeError) and issubclass(NotShardedError, ValueError)

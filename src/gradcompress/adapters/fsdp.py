@@ -43,6 +43,11 @@ except ImportError:  # pragma: no cover - torch without FSDP2
     FSDPModule, ReduceScatter = None, object
 
 
+class NotShardedError(TypeError, ValueError):
+    """``register_fsdp`` on a model that ``fully_shard`` has not sharded: the wrong kind of model (a
+    ``TypeError``; also a ``ValueError``, what earlier versions raised, so existing handlers keep working)."""
+
+
 def _scale(op, world: int) -> float:
     """The factor FSDP's ``op`` applies to the sum of the ranks' chunks."""
     kind = getattr(op, "op", op)
@@ -115,7 +120,7 @@ def _fsdp_modules(model) -> list:
     if not modules:
         hint = (" (a DistributedDataParallel model takes gradcompress.register_ddp_hook instead)"
                 if isinstance(model, torch.nn.parallel.DistributedDataParallel) else "")
-        raise ValueError(f"gradcompress FSDP: no FSDP module in the model ({type(model).__name__}): "
+        raise NotShardedError(f"gradcompress FSDP: no FSDP module in the model ({type(model).__name__}): "
                          f"register_fsdp needs a model sharded with torch.distributed.fsdp.fully_shard; call "
                          f"fully_shard(...) on its layers and on the model first{hint}")
     return modules
@@ -144,4 +149,4 @@ def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
     return compressor
 
 
-__all__ = ["CompressedReduceScatter", "check_codec", "register_fsdp"]
+__all__ = ["CompressedReduceScatter", "NotShardedError", "check_codec", "register_fsdp"]
