@@ -198,3 +198,33 @@ def test_netbench_killed_run_is_cleaned_up_by_the_next():
     assert _wait_gone(workers, 10) == []  # the workers notice their parent is gone and exit
     assert sorted(netns.cleanup_stale()) == sorted(names)  # what the next netbench run does first
     assert _namespaces_of(proc.pid) == []
+
+
+@needs_netns
+def test_netbench_nodes_hierarchical_uplink_below_flat():
+    """2 nodes x 2 workers: each node's workers share its namespace (their traffic stays on its loopback), so the
+    uplink's tx counter shows what leaves the node; hierarchical int8 (the default topology) puts less on it than
+    flat int8, and the node's workers' inter_node_bytes stay within 20 % of it (headers, ACKs, gloo's messages)."""
+    proc = subprocess.Popen(CMD + ["--nodes", "2", "--workers-per-node", "2", "--bandwidth", "100mbit", "--model",
+                                   "tiny", "--steps", "2", "--schemes", "ddp", "int8", "int8:topology=flat", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert _namespaces_of(proc.pid) == []
+    result = json.loads(out)
+    assert (result["nodes"], result["workers_per_node"], result["workers"]) == (2, 2, 4)
+    rows = {r["scheme"]: r for r in result["schemes"]}
+    hier, flat = rows["int8"], rows["int8:topology=flat"]
+    assert hier["topology"] == "hierarchical" and flat["topology"] == "flat"
+    for h, f in zip(hier["uplink_tx_bytes_per_step_by_node"], flat["uplink_tx_bytes_per_step_by_node"]):
+        assert 0 < h < 0.8 * f
+    for up, inter in zip(hier["uplink_tx_bytes_per_step_by_node"], hier["inter_node_bytes_per_step_by_node"]):
+        assert inter <= up <= 1.2 * inter
+    # the flat exchange's inter_node_bytes count the node's own workers too: more than crosses the uplink
+    assert flat["inter_node_bytes_per_step_by_node"][0] > flat["uplink_tx_bytes_per_step_by_node"][0]
+    assert max(rows["ddp"]["uplink_tx_bytes_per_step_by_node"]) > 2 * max(hier["uplink_tx_bytes_per_step_by_node"])
