@@ -149,20 +149,24 @@ def test_node_layout_errors_one_line(argv, text, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------- real namespaces
-@needs_netns
-def test_netbench_two_hosts():
-    proc = subprocess.Popen(CMD + ["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
-                                   "--schemes", "none;int8", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run_json(args: list[str], timeout: float) -> dict:
+    """Run ``netbench ARGS --json`` in a subprocess; its result, after checking it left no namespace behind."""
+    proc = subprocess.Popen(CMD + args + ["--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
     assert _namespaces_of(proc.pid) == []
-    result = json.loads(out)
+    return json.loads(out)
+
+
+@needs_netns
+def test_netbench_two_hosts():
+    result = _run_json(["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
+                        "--schemes", "none;int8"], timeout=120)
     for key in ("workers", "bandwidth_bit", "model", "params", "compute_s", "steps", "warmup", "schemes", "date"):
         assert key in result
     assert result["workers"] == 2 and result["bandwidth_bit"] == 100e6 and result["model"] == "tiny"
@@ -238,18 +242,8 @@ def test_netbench_nodes_hierarchical_uplink_below_flat():
     """2 nodes x 2 workers: each node's workers share its namespace (their traffic stays on its loopback), so the
     uplink's tx counter shows what leaves the node; hierarchical int8 (the default topology) puts less on it than
     flat int8, and the node's workers' inter_node_bytes stay within 20 % of it (headers, ACKs, gloo's messages)."""
-    proc = subprocess.Popen(CMD + ["--nodes", "2", "--workers-per-node", "2", "--bandwidth", "100mbit", "--model",
-                                   "tiny", "--steps", "2", "--schemes", "ddp", "int8", "int8:topology=flat", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert _namespaces_of(proc.pid) == []
-    result = json.loads(out)
+    result = _run_json(["--nodes", "2", "--workers-per-node", "2", "--bandwidth", "100mbit", "--model", "tiny",
+                        "--steps", "2", "--schemes", "ddp", "int8", "int8:topology=flat"], timeout=180)
     assert (result["nodes"], result["workers_per_node"], result["workers"]) == (2, 2, 4)
     rows = {r["scheme"]: r for r in result["schemes"]}
     hier, flat = rows["int8"], rows["int8:topology=flat"]

@@ -11,6 +11,15 @@ Needs root and iproute2; everything (namespaces, links, processes) is removed on
 error, on Ctrl-C and on SIGTERM, and a namespace left by a run that was killed outright is
 removed by the next run.
 
+Nodes (``--nodes N --workers-per-node G``): N namespaces, each a node with one shaped uplink and G workers
+(ranks in consecutive blocks of G, torchrun's ``GROUP_RANK``/``LOCAL_WORLD_SIZE`` set so that the library's default
+``topology="auto"`` runs hierarchical; ``SPEC:topology=flat`` runs today's flat exchange beside it). The G workers
+bind to the node's veth address, and a connection to one's own namespace's address goes over its loopback, so
+intra-node traffic never reaches the uplink's tx counter (:mod:`gradcompress.testbed`). Reported per scheme: the
+uplink's bytes per node and step next to the node's workers' ``stats()["inter_node_bytes"]`` (the cost model's
+uplink count for the PyTorch baselines), and the ratios to ``ddp``, ``torch-fp16`` and the scheme's flat twin;
+``ddp-nosend`` is DDP with a hook that sends nothing (the limit).
+
 In one run, for each scheme, on the same model (same initial weights, fixed per-rank
 batches of random data): ``--warmup`` untimed steps, then ``--steps`` timed steps. Our
 schemes are a :class:`gradcompress.Compressor` with ``warmup_steps=2`` as the DDP hook

@@ -319,11 +319,7 @@ def run(args: argparse.Namespace) -> int:
                         "compressor_phase_s_per_elem": speeds.phases},
         "predictions": [dataclasses.asdict(p) for p in preds],
     }
-    if args.json:
-        print(json.dumps(result, indent=1, allow_nan=False))
-    else:
-        print(format_table(result))
-    return 0
+    return emit(result, args.json, format_table)
 
 
 def _check_layout(args: argparse.Namespace) -> None:
@@ -383,10 +379,12 @@ def _run_nodes(args: argparse.Namespace, schemes: list, shapes: list, size_text:
               "bandwidth_bit": args.bandwidth, "intra_bandwidth_bit": args.intra_bandwidth, "latency_s": args.latency,
               "compute_s": args.compute_ms / 1e3, "params": sum(math.prod(s) for s in shapes), "size": size_text,
               "contention": contention, "predictions": preds, "which_pays": which_pays(preds)}
-    if args.json:
-        print(json.dumps(result, indent=1, allow_nan=False))
-    else:
-        print(format_node_table(result))
+    return emit(result, args.json, format_node_table)
+
+
+def emit(result: dict, as_json: bool, fmt) -> int:
+    """Print ``result`` as JSON or as ``fmt(result)``; the exit code 0."""
+    print(json.dumps(result, indent=1, allow_nan=False) if as_json else fmt(result))
     return 0
 
 
