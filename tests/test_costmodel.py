@@ -315,3 +315,59 @@ def test_measured_phases_replace_pass_counts():
     # another worker count: not measured, back to pass counts
     (b,) = cm.bucket_work(int8, shapes, 8, 1e9, 0.0, speeds)
     assert b.hook_s == pytest.approx(n * 1e-10 * cm.codec_passes(int8, 8)[0]["ew"])
+
+
+# --------------------------------------------------------------------------- nodes
+@pytest.mark.parametrize("spec", ["ddp", "torch-fp16", "int8", "sign", "topk:ratio=0.01", "powersgd:rank=2"])
+def test_flat_on_nodes_of_one_is_the_ring_count(spec):
+    """One worker per node: every byte a worker sends crosses its uplink (the all-to-all's share is (W-1)/(W-1))."""
+    s = cm.parse_scheme(spec)
+    assert cm.node_bytes(s, MLP, 4, 1, hierarchical=False) == (cm.wire_bytes(s, MLP, 4), 0)
+
+
+def test_flat_ring_schemes_put_a_workers_count_on_the_uplink():
+    """Ranks contiguous per node: a ring crosses a node's uplink once each way, whatever G."""
+    for spec in ("ddp", "torch-fp16", "fp16"):
+        s = cm.parse_scheme(spec)
+        assert cm.node_uplink_bytes(s, MLP, 2, 4, hierarchical=False) == cm.wire_bytes(s, MLP, 8)
+
+
+@pytest.mark.parametrize("spec, c", [("int8", 1 + 4 / 512), ("int4", 0.5 + 4 / 512), ("sign", 1 / 8 + 4 / 512)])
+@pytest.mark.parametrize("nodes, per_node", [(2, 4), (4, 8), (2, 2)])
+def test_node_bytes_follow_the_issue_arithmetic(spec, c, nodes, per_node):
+    """Issue 21's arithmetic for a codec of c bytes per element (n elements): flat two-step G c n (N-1)/N on the
+    uplink for the all-to-all plus (W-1) c n / W for the ring all-gather of the chunk; hierarchical 2 c n (N-1)/N
+    on the uplink (G workers, each the two-step reduce of its n/G piece among N) and, inside the node, the
+    reduce-scatter and all-gather of float32 pieces: 2 (G-1)/G 4n per worker."""
+    s = cm.parse_scheme(spec)
+    n = sum(math.prod(x) for x in MLP)
+    W, N, G = nodes * per_node, nodes, per_node
+    flat_up, _ = cm.node_bytes(s, MLP, N, G, hierarchical=False)
+    assert flat_up == pytest.approx(G * c * n * (N - 1) / N + (W - 1) * c * n / W, rel=0.03)
+    up, intra = cm.node_bytes(s, MLP, N, G, hierarchical=True)
+    assert up == pytest.approx(2 * c * n * (N - 1) / N, rel=0.03)
+    assert intra == pytest.approx(2 * (G - 1) / G * 4 * n, rel=1e-3)
+    assert up <= 0.4 * flat_up or G == 2  # the issue's target for 2 x 4 and larger nodes
+
+
+def test_hierarchical_topk_sends_a_gather_of_pieces():
+    """top-k: flat, every worker's k values reach W-1 others (ring all-gather); hierarchical, its k/G among N."""
+    s = cm.parse_scheme("topk:ratio=0.01")
+    flat_up = cm.node_uplink_bytes(s, MLP, 2, 4, hierarchical=False)
+    hier_up = cm.node_uplink_bytes(s, MLP, 2, 4, hierarchical=True)
+    assert flat_up == pytest.approx(cm.wire_bytes(s, MLP, 8), rel=1e-3)
+    # (about: the pieces of the 1024-element bias are compressed, as the exchange does, not sent dense)
+    assert hier_up == pytest.approx(4 * cm.wire_bytes(s, cm.piece_shapes(MLP, 4), 2), rel=0.05)
+    assert hier_up < 0.16 * flat_up
+
+
+def test_predict_nodes_hierarchical_pays_on_a_slow_uplink_not_with_powersgd():
+    s = cm.parse_scheme("int8")
+    flat = cm.predict_nodes(s, MLP, 2, 4, 100e6, 0.1, SPEEDS0, hierarchical=False)
+    hier = cm.predict_nodes(s, MLP, 2, 4, 100e6, 0.1, SPEEDS0, hierarchical=True)
+    assert hier.step_s < 0.5 * flat.step_s and hier.topology == "hierarchical" and flat.intra_bytes == 0
+    # a slow link inside the node (as slow as the uplink) makes the hierarchical exchange's dense intra rounds cost
+    slow = cm.predict_nodes(s, MLP, 2, 4, 100e6, 0.1, SPEEDS0, hierarchical=True, intra_rate_bit=100e6)
+    assert slow.step_s > flat.step_s
+    with pytest.raises(ValueError, match="hierarchical"):
+        cm.predict_nodes(cm.parse_scheme("powersgd:rank=2"), MLP, 2, 4, 100e6, 0.1, SPEEDS0, hierarchical=True)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from gradcompress import costmodel as cm
 from gradcompress import netns
 from gradcompress.cli import main
 
@@ -115,21 +116,57 @@ def test_plan_json(capsys):
     assert preds["powersgd:rank=1"]["speedup"] > preds["int8"]["speedup"] > preds["fp16"]["speedup"] > 1
 
 
+def test_plan_nodes_json(capsys):
+    """plan --nodes: every codec flat and hierarchical (PowerSGD and the PyTorch hooks flat only), and which pays."""
+    rc = main(["plan", "--params", "2e6", "--nodes", "2", "--workers-per-node", "4", "--bandwidth", "100mbit",
+               "--compute-ms", "20", "--schemes", "ddp;torch-fp16;int8;powersgd:rank=1", "--calibration-numel",
+               "65536", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["intra_bandwidth_bit"] == 800e9 and out["workers"] == 8
+    rows = {(p["scheme"], p["topology"]) for p in out["predictions"]}
+    assert rows == {("ddp", "flat"), ("torch-fp16", "flat"), ("int8", "flat"), ("int8", "hierarchical"),
+                    ("powersgd:rank=1", "flat")}
+    preds = {(p["scheme"], p["topology"]): p for p in out["predictions"]}
+    assert preds["int8", "hierarchical"]["wire_bytes"] < 0.4 * preds["int8", "flat"]["wire_bytes"]
+    assert preds["int8", "hierarchical"]["speedup"] > preds["int8", "flat"]["speedup"] > 1
+    assert out["which_pays"] == [line for line in out["which_pays"] if line.startswith("int8: hierarchical pays")]
+    assert len(out["which_pays"]) == 1
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["plan", "--params", "1e6", "--bandwidth", "1gbit"], "--workers"),
+    (["plan", "--params", "1e6", "--workers", "4", "--nodes", "2", "--bandwidth", "1gbit"], "not both"),
+    (["netbench", "--workers", "4", "--nodes", "2"], "not both"),
+    (["netbench", "--workers-per-node", "4"], "goes with --nodes"),
+    (["netbench", "--nodes", "4", "--workers-per-node", "8"], "at most 16"),
+])
+def test_node_layout_errors_one_line(argv, text, capsys, monkeypatch):
+    monkeypatch.setattr(netns, "problem", lambda: None)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and text in err, err
+
+
 # --------------------------------------------------------------------------- real namespaces
-@needs_netns
-def test_netbench_two_hosts():
-    proc = subprocess.Popen(CMD + ["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
-                                   "--schemes", "none;int8", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run_json(args: list[str], timeout: float) -> dict:
+    """Run ``netbench ARGS --json`` in a subprocess; its result, after checking it left no namespace behind."""
+    proc = subprocess.Popen(CMD + args + ["--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
     assert _namespaces_of(proc.pid) == []
-    result = json.loads(out)
+    return json.loads(out)
+
+
+@needs_netns
+def test_netbench_two_hosts():
+    result = _run_json(["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
+                        "--schemes", "none;int8"], timeout=120)
     for key in ("workers", "bandwidth_bit", "model", "params", "compute_s", "steps", "warmup", "schemes", "date"):
         assert key in result
     assert result["workers"] == 2 and result["bandwidth_bit"] == 100e6 and result["model"] == "tiny"
@@ -198,3 +235,29 @@ def test_netbench_killed_run_is_cleaned_up_by_the_next():
     assert _wait_gone(workers, 10) == []  # the workers notice their parent is gone and exit
     assert sorted(netns.cleanup_stale()) == sorted(names)  # what the next netbench run does first
     assert _namespaces_of(proc.pid) == []
+
+
+@needs_netns
+def test_netbench_nodes_hierarchical_uplink_below_flat():
+    """2 nodes x 2 workers: each node's workers share its namespace (their traffic stays on its loopback), so the
+    uplink's tx counter shows what leaves the node; hierarchical int8 (the default topology) puts less on it than
+    flat int8, and the node's workers' inter_node_bytes stay within 20 % of it (headers, ACKs, gloo's messages)."""
+    result = _run_json(["--nodes", "2", "--workers-per-node", "2", "--bandwidth", "100mbit", "--model", "tiny",
+                        "--steps", "2", "--schemes", "ddp", "int8", "int8:topology=flat"], timeout=180)
+    assert (result["nodes"], result["workers_per_node"], result["workers"]) == (2, 2, 4)
+    rows = {r["scheme"]: r for r in result["schemes"]}
+    hier, flat = rows["int8"], rows["int8:topology=flat"]
+    assert hier["topology"] == "hierarchical" and flat["topology"] == "flat"
+    for h, f in zip(hier["uplink_tx_bytes_per_step_by_node"], flat["uplink_tx_bytes_per_step_by_node"]):
+        assert 0 < h < 0.8 * f
+    for up, inter in zip(hier["uplink_tx_bytes_per_step_by_node"], hier["inter_node_bytes_per_step_by_node"]):
+        assert inter <= up <= 1.2 * inter
+    # the cost model counts the node's inter_node_bytes exactly, and the flat uplink within the headers' share
+    shapes = [tuple(x) for x in result["shapes"]]
+    int8 = cm.parse_scheme("int8")
+    assert hier["inter_node_bytes_per_step_by_node"] == [cm.node_uplink_bytes(int8, shapes, 2, 2, True)] * 2
+    for up in flat["uplink_tx_bytes_per_step_by_node"]:
+        assert 1.0 <= up / cm.node_uplink_bytes(int8, shapes, 2, 2, False) <= 1.15
+    # the flat exchange's inter_node_bytes count the node's own workers too: more than crosses the uplink
+    assert flat["inter_node_bytes_per_step_by_node"][0] > flat["uplink_tx_bytes_per_step_by_node"][0]
+    assert max(rows["ddp"]["uplink_tx_bytes_per_step_by_node"]) > 2 * max(hier["uplink_tx_bytes_per_step_by_node"])

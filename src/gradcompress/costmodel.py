@@ -214,11 +214,13 @@ def _compressible(scheme: Scheme, shape: Sequence[int], min_numel: int = MIN_NUM
 
 
 def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int],
-                workers: int) -> list[tuple[str, int, int]]:
+                workers: int, min_numel: int = MIN_NUMEL, dense: frozenset = frozenset()) -> list[tuple[str, int, int]]:
     """The rounds of one bucket: ``[(collective, local buffer bytes M, bytes this rank sends)]``.
 
     One entry per round; collectives issued together in a round (the dense tensors'
-    all-reduce beside the compressed exchange) are summed into it.
+    all-reduce beside the compressed exchange) are summed into it. ``dense``: indices that
+    travel dense whatever their size (the hierarchical exchange's pieces of small tensors,
+    with ``min_numel=0``).
     """
     W = workers
     numels = [numel_of(shapes[i]) for i in bucket]
@@ -243,7 +245,7 @@ def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequenc
     codec = scheme.codec
     if codec.exact:  # exact and stateless: the Compressor sends it as DDP does
         return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
-    comp = [i for i in bucket if _compressible(scheme, shapes[i])]
+    comp = [i for i in bucket if i not in dense and _compressible(scheme, shapes[i], min_numel)]
     dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
     agg = codec.aggregation.value
     # the finiteness flag travels with the dense tensors; without them only for codecs whose received data
@@ -287,6 +289,132 @@ def wire_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int,
     """Bytes one rank transmits per (compressed) step, counted as ring algorithms send them."""
     return sum(sent for b in buckets_for(scheme, shapes, bucket_cap)
                for _, _, sent in round_bytes(scheme, shapes, b, workers))
+
+
+# --------------------------------------------------------------------------- nodes
+#: the default link inside a node: NVLink-class, 100 GB/s per direction (800 Gbit/s)
+INTRA_NODE_RATE_BIT = 800e9
+#: message steps of each collective among W workers (the alpha terms above)
+MESSAGE_STEPS = {"allreduce": lambda w: 2 * (w - 1), "allgather": lambda w: w - 1, "alltoall": lambda w: w - 1}
+
+
+def hierarchical_supported(scheme: Scheme) -> bool:
+    """Whether the scheme has a hierarchical exchange: our codecs except PowerSGD (it needs whole matrices)."""
+    return scheme.kind == "ours" and scheme.codec.aggregation.value != "lowrank"
+
+
+def piece_shapes(shapes: Sequence[Sequence[int]], per_node: int) -> list[tuple[int]]:
+    """The hierarchical exchange's piece of each tensor a worker sends between nodes: ceil(n / G) elements."""
+    return [(_ceil_div(numel_of(s), per_node),) for s in shapes]
+
+
+def flat_uplink_rounds(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int], nodes: int,
+                       per_node: int) -> list[tuple[str, int, int]]:
+    """The flat exchange's rounds of one bucket on N nodes of G workers (ranks contiguous per node): ``[(collective,
+    bytes one node's uplink carries, 0)]``. gloo's all-reduce and all-gather are rings in rank order, so the uplink
+    carries what the node's last rank sends (a worker's own count); its all-to-all sends every block directly, so
+    the uplink carries G (W-G)/W of each worker's buffer: (W-G)/(W-1) of the worker's count, G times (the dense
+    tensors all-reduced in the same round are counted at that share too: a few KB)."""
+    W, G = nodes * per_node, per_node
+    out = []
+    for kind, _, sent in round_bytes(scheme, shapes, bucket, W):
+        uplink = sent if kind != "alltoall" else G * sent * (W - G) // (W - 1)
+        out.append((kind, uplink, 0))
+    return out
+
+
+def hierarchical_rounds(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int], nodes: int,
+                        per_node: int) -> list[tuple[str, int, int]]:
+    """The hierarchical exchange's rounds of one bucket (:mod:`gradcompress.exchanges.hierarchical`):
+    ``[(collective, bytes one node's uplink carries, bytes one worker sends inside the node)]``: the reduce-scatter
+    inside the node ((G-1)/G of the G blocks of pieces, float32), the codec's exchange of this worker's pieces
+    (ceil(n/G) of each tensor; those of tensors below ``MIN_NUMEL`` dense) among the N workers of its local rank,
+    which every one of the node's G workers runs at once on the uplink, then the all-gather of the averaged pieces
+    and a flag inside."""
+    G = per_node
+    pieces = piece_shapes(shapes, G)
+    block = sum(numel_of(pieces[i]) for i in bucket)
+    small = frozenset(i for i in bucket if numel_of(shapes[i]) < MIN_NUMEL)
+    inner = round_bytes(scheme, pieces, bucket, nodes, min_numel=0, dense=small) if not scheme.codec.exact else \
+        [("allreduce", FLOAT_BYTES * block, allreduce_bytes(FLOAT_BYTES * block, nodes))]
+    intra_rs = (G - 1) * FLOAT_BYTES * block
+    intra_ag = (G - 1) * FLOAT_BYTES * (block + 1)
+    return ([("reduce_scatter", 0, intra_rs)] + [(kind, G * sent, 0) for kind, _, sent in inner]
+            + [("allgather_intra", 0, intra_ag)])
+
+
+def node_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int, hierarchical: bool,
+               bucket_cap: int | None = None) -> tuple[int, int]:
+    """(bytes one node's uplink carries, bytes one worker sends inside its node) per (compressed) step; flat
+    counts only the uplink (its traffic inside the node overlaps the uplink's)."""
+    rounds = hierarchical_rounds if hierarchical else flat_uplink_rounds
+    rs = [r for b in buckets_for(scheme, shapes, bucket_cap) for r in rounds(scheme, shapes, b, nodes, per_node)]
+    return sum(up for _, up, _ in rs), sum(intra for _, _, intra in rs)
+
+
+def node_uplink_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int,
+                      hierarchical: bool, bucket_cap: int | None = None) -> int:
+    """Bytes one node's uplink carries per (compressed) step (:func:`node_bytes`)."""
+    return node_bytes(scheme, shapes, nodes, per_node, hierarchical, bucket_cap)[0]
+
+
+def node_bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int, hierarchical: bool,
+                     uplink: float, intra: float, alpha: float, speeds: Speeds, contention: float = 1.0,
+                     error_feedback: bool = True, bucket_cap: int | None = None) -> list[BucketWork]:
+    """The buckets of one step on N nodes of G workers; a round's time is its uplink bytes over ``uplink`` (the
+    node's payload bytes/s, shared by its G workers) plus its intra-node bytes over ``intra``, plus ``alpha`` per
+    message step. Codec work: the pass counts of :func:`codec_passes` (flat: on the whole tensors among W;
+    hierarchical: on the pieces among N, plus 3 passes over the bucket for the blocks, the mean and the landing)."""
+    W, G = nodes * per_node, per_node
+    rounds_of = hierarchical_rounds if hierarchical else flat_uplink_rounds
+    total = sum(numel_of(s) for s in shapes) or 1
+    codec = speed_codec(scheme)
+    out, done = [], 0
+    for b in buckets_for(scheme, shapes, bucket_cap):
+        numel = sum(numel_of(shapes[i]) for i in b)
+        done += numel
+        n = numel if scheme.kind != "ours" else sum(numel_of(shapes[i]) for i in b if _compressible(scheme, shapes[i]))
+        phases = codec_passes(scheme, nodes if hierarchical else W, error_feedback) if n else [{}]
+        secs = [contention * _phase_seconds(p, codec, speeds, n // G if hierarchical else n) for p in phases]
+        rounds = rounds_of(scheme, shapes, b, nodes, per_node)
+        if hierarchical:  # the reduce-scatter comes first: the hook's codec work waits for it
+            secs = [contention * 2 * numel * speeds.elementwise] + secs
+            secs[-1] += contention * numel * speeds.elementwise
+        secs += [0.0] * (len(rounds) + 1 - len(secs))
+        comm = [up / uplink + sent / intra + alpha * _message_steps(kind, nodes, per_node, hierarchical)
+                for kind, up, sent in rounds]
+        out.append(BucketWork(ready=done / total, hook_s=secs[0],
+                              rounds=tuple(Round(c, a) for c, a in zip(comm, secs[1:]))))
+    return out
+
+
+def _message_steps(kind: str, nodes: int, per_node: int, hierarchical: bool) -> int:
+    """Message steps of a round: intra-node collectives among G, the rest among N (hierarchical) or W (flat)."""
+    if kind == "reduce_scatter":
+        return per_node - 1
+    if kind == "allgather_intra":
+        return per_node - 1
+    return MESSAGE_STEPS[kind](nodes if hierarchical else nodes * per_node)
+
+
+def predict_nodes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int, rate_bit: float,
+                  compute_s: float, speeds: Speeds, hierarchical: bool, intra_rate_bit: float = INTRA_NODE_RATE_BIT,
+                  latency_s: float = 0.0, contention: float = 1.0, efficiency: float = FRAMING_EFFICIENCY,
+                  software_alpha: float = SOFTWARE_ALPHA, bucket_cap: int | None = None) -> "Prediction":
+    """Predicted compressed step on N nodes of G workers, the node's uplink at ``rate_bit`` and the links inside
+    a node at ``intra_rate_bit``; flat or hierarchical (``ValueError`` for a scheme without a hierarchical exchange).
+    ``wire_bytes`` of the result: the uplink's bytes per node; ``intra_bytes``: one worker's inside the node."""
+    if hierarchical and not hierarchical_supported(scheme):
+        raise ValueError(f"{scheme.text}: no hierarchical exchange (PyTorch's hooks and PowerSGD run flat)")
+    ef = default_error_feedback(scheme)
+    alpha = latency_s + software_alpha
+    buckets = node_bucket_work(scheme, shapes, nodes, per_node, hierarchical, payload_bandwidth(rate_bit, efficiency),
+                               intra_rate_bit / 8, alpha, speeds, contention, ef, bucket_cap)
+    st = simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, buckets)
+    up, intra = node_bytes(scheme, shapes, nodes, per_node, hierarchical, bucket_cap)
+    return Prediction(scheme=scheme.text, step_s=st.step_s, compute_s=compute_s, codec_s=st.codec_s, comm_s=st.comm_s,
+                      exposed_comm_s=st.exposed_comm_s, wire_bytes=up, buckets=len(buckets),
+                      topology="hierarchical" if hierarchical else "flat", intra_bytes=intra)
 
 
 def collective_time(kind: str, nbytes: float, workers: int, bandwidth: float, alpha: float) -> float:
@@ -469,6 +597,8 @@ class Prediction:
     wire_bytes: int
     buckets: int
     speedup: float | None = None  # over ``ddp`` (uncompressed, no hook)
+    topology: str | None = None  # predict_nodes: "flat" or "hierarchical" (wire_bytes: a node's uplink bytes)
+    intra_bytes: int | None = None  # predict_nodes: what one worker sends inside its node
 
 
 def predict(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, rate_bit: float, compute_s: float,
@@ -524,6 +654,8 @@ def square_shapes(params: int, side: int = 2048) -> list[tuple[int, ...]]:
 __all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "Prediction", "Round", "Scheme", "Speeds", "StepTime",
            "allgather_bytes", "allgather_time", "allreduce_bytes", "allreduce_time", "alltoall_bytes",
            "alltoall_time", "bucket_work", "buckets_for", "chunk_numel", "codec_passes", "ddp_buckets",
-           "default_error_feedback", "format_rate", "parse_duration", "phase_key", "parse_rate", "parse_scheme",
+           "default_error_feedback", "format_rate", "INTRA_NODE_RATE_BIT", "hierarchical_rounds",
+           "hierarchical_supported", "flat_uplink_rounds", "node_bytes", "node_bucket_work", "node_uplink_bytes",
+           "piece_shapes", "predict_nodes", "parse_duration", "phase_key", "parse_rate", "parse_scheme",
            "payload_bandwidth", "payload_bytes", "predict", "round_bytes", "simulate_step", "speed_codec", "square_shapes",
            "two_step_time", "wire_bytes", "with_speedups"]

@@ -43,7 +43,7 @@ COMPRESSOR_OPTIONS = ("error_feedback", "server_error_feedback", "momentum", "wa
                       "intra_node")
 #: the Compressor options a scheme may set (``sign:momentum=0.9``); the CLI sets warm-up, seed and telemetry itself
 SCHEME_COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule",
-                             "ramp_steps", "overlap")
+                             "ramp_steps", "overlap", "topology", "intra_node")
 #: ``residual_dtype=NAME`` in a spec string: the torch dtype names it may give
 RESIDUAL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

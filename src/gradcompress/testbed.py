@@ -5,7 +5,16 @@ on one bridge, every link shaped; see :mod:`gradcompress.netns`), starts ``pytho
 --worker CONFIG.json`` inside each host's namespace, waits for every worker and returns what
 each wrote (:func:`write_result`), by rank. A worker's config is the caller's ``settings`` plus
 ``parent`` (this process's pid), ``rank``, ``world``, ``master`` (host 0's address), ``port``,
-``ifname`` (the host's link interface, also ``GLOO_SOCKET_IFNAME``) and ``out`` (its result file).
+``ifname`` (the host's link interface, also ``GLOO_SOCKET_IFNAME``), ``node``, ``local_rank``,
+``workers_per_node`` and ``out`` (its result file).
+
+Nodes: each host is a node and runs ``workers_per_node`` G workers (default 1), ranks in consecutive
+blocks of G (node ``r // G``, local rank ``r % G``), with torchrun's variables (``RANK``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``WORLD_SIZE``) so that ``topology="auto"``
+finds the nodes as under torchrun. gloo binds every worker to the address of ``GLOO_SOCKET_IFNAME``
+(the node's veth); the G workers of a node share that address, and a connection to one's own
+namespace's address is routed over the namespace's loopback (the kernel's local table), so traffic
+between workers of a node never crosses the veth: its ``tx_bytes`` counts what leaves the node.
 
 SIGINT, SIGTERM and SIGHUP stop a run (as ``KeyboardInterrupt``); the namespaces, links,
 processes and scratch files are removed on every way out (success, error, timeout, signal),
@@ -46,8 +55,10 @@ class TestbedError(RuntimeError):
 
 # --------------------------------------------------------------------------- the parent
 def run_workers(hosts: int, settings: dict, *, module: str, rate_bit: float, delay_s: float, timeout: float,
-                env: dict | None = None, label: str = "testbed", timeout_hint: str = "") -> list[dict]:
-    """Run ``python -m module --worker CONFIG`` on each of ``hosts`` emulated hosts; every worker's result.
+                env: dict | None = None, label: str = "testbed", timeout_hint: str = "",
+                workers_per_node: int = 1) -> list[dict]:
+    """Run ``python -m module --worker CONFIG`` ``workers_per_node`` times on each of ``hosts`` emulated hosts
+    (nodes); every worker's result, by rank.
 
     ``env``: extra environment variables for the workers. ``label`` starts the progress lines
     copied from rank 0's log to stderr (``label: ...``) and the messages; ``timeout_hint`` ends
@@ -63,10 +74,10 @@ def run_workers(hosts: int, settings: dict, *, module: str, rate_bit: float, del
             bed.up()
         except netns.NetnsError as err:
             raise TestbedError(f"could not build the test network: {err}") from None
-        _start_workers(bed, settings, module, tmp, env or {}, logs)
+        _start_workers(bed, settings, module, tmp, env or {}, logs, workers_per_node)
         echo = _Echo(os.path.join(tmp, "rank0.log"), f"{label}: ")
         _wait(bed, tmp, timeout, label, timeout_hint)
-        return [_read_json(os.path.join(tmp, f"rank{rank}.json")) for rank in range(hosts)]
+        return [_read_json(os.path.join(tmp, f"rank{rank}.json")) for rank in range(hosts * workers_per_node)]
     finally:
         _teardown(bed, logs, tmp, echo, previous, label)
 
@@ -86,20 +97,32 @@ def _interrupt_on_signals() -> dict:
     return previous
 
 
-def _start_workers(bed: netns.Testbed, settings: dict, module: str, tmp: str, extra_env: dict, logs: list) -> None:
-    """Write each rank's config into ``tmp`` and start its worker in its host, logging to ``tmp/rank<r>.log``."""
+def node_environment(rank: int, node: int, local_rank: int, world: int, per_node: int) -> dict:
+    """torchrun's variables for a worker of a node (one worker per host: every host its own node)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(node), "WORLD_SIZE": str(world)}
+
+
+def _start_workers(bed: netns.Testbed, settings: dict, module: str, tmp: str, extra_env: dict, logs: list,
+                   per_node: int = 1) -> None:
+    """Write each rank's config into ``tmp`` and start its worker in its node's namespace (``per_node`` workers per
+    host, consecutive ranks), logging to ``tmp/rank<r>.log``."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=bed.ifname, PYTHONUNBUFFERED="1", **extra_env)
-    for key in TORCHRUN_VARIABLES:  # not a torchrun child
+    for key in TORCHRUN_VARIABLES + ("LOCAL_WORLD_SIZE", "GROUP_RANK"):  # not a torchrun child
         env.pop(key, None)
-    for rank in range(bed.hosts):
-        cfg = {**settings, "parent": os.getpid(), "rank": rank, "world": bed.hosts, "master": bed.addresses[0],
-               "port": PORT, "ifname": bed.ifname, "out": os.path.join(tmp, f"rank{rank}.json")}
+    world = bed.hosts * per_node
+    for rank in range(world):
+        node, local = divmod(rank, per_node)
+        cfg = {**settings, "parent": os.getpid(), "rank": rank, "world": world, "master": bed.addresses[0],
+               "port": PORT, "ifname": bed.ifname, "node": node, "local_rank": local, "workers_per_node": per_node,
+               "out": os.path.join(tmp, f"rank{rank}.json")}
         path = os.path.join(tmp, f"rank{rank}.cfg.json")
         with open(path, "w") as f:
             json.dump(cfg, f)
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
         logs.append(log)
-        bed.spawn(rank, [sys.executable, "-m", module, "--worker", path], env=env,
+        bed.spawn(node, [sys.executable, "-m", module, "--worker", path],
+                  env={**env, **node_environment(rank, node, local, world, per_node)},
                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -225,5 +248,5 @@ def write_result(cfg: dict, result: dict) -> None:
     os.replace(cfg["out"] + ".part", cfg["out"])
 
 
-__all__ = ["PORT", "SIGNALS", "TestbedError", "log_tail", "read_tx_bytes", "run_workers", "watch_parent",
+__all__ = ["PORT", "SIGNALS", "TestbedError", "log_tail", "node_environment", "read_tx_bytes", "run_workers", "watch_parent",
            "worker_config", "write_result"]

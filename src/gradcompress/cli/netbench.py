@@ -11,6 +11,15 @@ Needs root and iproute2; everything (namespaces, links, processes) is removed on
 error, on Ctrl-C and on SIGTERM, and a namespace left by a run that was killed outright is
 removed by the next run.
 
+Nodes (``--nodes N --workers-per-node G``): N namespaces, each a node with one shaped uplink and G workers
+(ranks in consecutive blocks of G, torchrun's ``GROUP_RANK``/``LOCAL_WORLD_SIZE`` set so that the library's default
+``topology="auto"`` runs hierarchical; ``SPEC:topology=flat`` runs today's flat exchange beside it). The G workers
+bind to the node's veth address, and a connection to one's own namespace's address goes over its loopback, so
+intra-node traffic never reaches the uplink's tx counter (:mod:`gradcompress.testbed`). Reported per scheme: the
+uplink's bytes per node and step next to the node's workers' ``stats()["inter_node_bytes"]`` (the cost model's
+uplink count for the PyTorch baselines), and the ratios to ``ddp``, ``torch-fp16`` and the scheme's flat twin;
+``ddp-nosend`` is DDP with a hook that sends nothing (the limit).
+
 In one run, for each scheme, on the same model (same initial weights, fixed per-rank
 batches of random data): ``--warmup`` untimed steps, then ``--steps`` timed steps. Our
 schemes are a :class:`gradcompress.Compressor` with ``warmup_steps=2`` as the DDP hook
@@ -50,24 +59,33 @@ import time
 from ..scheme import ONEBITADAM, Scheme, parse_scheme
 from .common import CLIError, human_bytes, one_line, positive_int, split_schemes, table_lines
 
-MODELS = ("mlp", "cnn", "tiny", "lm")
+MODELS = ("mlp", "mlp8m", "cnn", "tiny", "lm")
+#: the MLPs' layer widths
+MLP_DIMS = {"mlp": (1024, 2048, 2048, 2048, 1024), "mlp8m": (1024, 2048, 2048, 1024)}
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
 #: FSDP mode: the uncompressed baseline's name and the default schemes
 FSDP_BASELINE = "fsdp"
 FSDP_SCHEMES = (FSDP_BASELINE, "int8", "int4", "sign", "topk:ratio=0.01")
+#: DDP with a hook that sends nothing: the limit of every scheme (a netbench scheme, not a codec)
+NOSEND = "ddp-nosend"
+#: --nodes mode: the default schemes (each codec hierarchical, the library's default, and flat beside it)
+NODE_SCHEMES = ("ddp", "torch-fp16", NOSEND, "int8", "int8:topology=flat", "int4", "int4:topology=flat", "sign",
+                "sign:topology=flat", "topk:ratio=0.01", "topk:ratio=0.01,topology=flat")
+MAX_NODE_WORKERS = 16
 
 
 # --------------------------------------------------------------------------- models
 def build_model(name: str, seed: int = 0):
-    """The benchmark models: ``mlp`` 12.6M parameters (1024-2048-2048-2048-1024, communication-bound),
+    """The benchmark models: ``mlp`` 12.6M parameters (1024-2048-2048-2048-1024, communication-bound), ``mlp8m``
+    8.4M (1024-2048-2048-1024),
     ``cnn`` a small convolutional net on 3x32x32 inputs (0.39M, compute-bound), ``tiny`` 85K (tests)."""
     import torch
     import torch.nn as nn
 
     torch.manual_seed(seed)
-    if name == "mlp":
-        dims = (1024, 2048, 2048, 2048, 1024)
+    if name in MLP_DIMS:
+        dims = MLP_DIMS[name]
         layers = []
         for a, b in zip(dims, dims[1:]):
             layers += [nn.Linear(a, b), nn.ReLU()]
@@ -97,7 +115,7 @@ def _batch(name: str, batch_size: int, rank: int):
     import torch
 
     g = torch.Generator().manual_seed(1000 + rank)
-    if name == "mlp":
+    if name in MLP_DIMS:
         return torch.randn(batch_size, 1024, generator=g), torch.randn(batch_size, 1024, generator=g)
     if name == "tiny":
         return torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
@@ -114,7 +132,7 @@ def _loss(name: str, out, y):
 
     if name == "lm":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return F.mse_loss(out, y) if name == "mlp" else F.cross_entropy(out, y)
+    return F.mse_loss(out, y) if name in MLP_DIMS else F.cross_entropy(out, y)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -164,8 +182,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "  sudo gradcompress netbench --workers 4 --bandwidth 1gbit --model mlp\n"
                "  sudo gradcompress netbench --workers 2 --bandwidth 100mbit --schemes 'ddp;int8;topk:ratio=0.01' "
                "--json\n"
-               "Models: mlp (12.6M parameters, communication-bound), cnn (0.39M, compute-bound), tiny (85K).")
-    p.add_argument("--workers", type=_workers, default=4, help="emulated hosts, one worker each: 2 to 8 (default 4)")
+               "  sudo gradcompress netbench --nodes 2 --workers-per-node 4 --bandwidth 100mbit --schemes ddp "
+               "torch-fp16 ddp-nosend int8 int8:topology=flat\n"
+               "ddp-nosend: DDP with a hook that sends nothing (the limit). With --nodes, codec specs run the "
+               "library's default topology (auto: hierarchical across the nodes); add topology=flat for today's "
+               "flat exchange. Node-mode default schemes: " + "; ".join(NODE_SCHEMES) + "\n"
+               "Models: mlp (12.6M parameters, communication-bound), mlp8m (8.4M), cnn (0.39M, compute-bound), tiny (85K).")
+    p.add_argument("--workers", type=_workers, default=None,
+                   help="emulated hosts, one worker each: 2 to 8 (default 4; not with --nodes)")
+    p.add_argument("--nodes", type=_workers, default=None, metavar="N",
+                   help="emulated nodes (2 to 8), each a namespace with one shaped uplink and --workers-per-node "
+                        "workers talking over the namespace's loopback")
+    p.add_argument("--workers-per-node", type=positive_int, default=None, metavar="G",
+                   help=f"workers per node with --nodes (default 1; N x G at most {MAX_NODE_WORKERS})")
     p.add_argument("--bandwidth", type=_rate, default=_rate("1gbit"), metavar="RATE",
                    help="link rate per host and direction, tc notation: 100mbit, 1gbit, 10gbit (default 1gbit)")
     p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
@@ -203,6 +232,10 @@ def _check_scheme(text: str, fsdp: bool) -> str:
     """One scheme of :func:`check_schemes`: the FSDP baseline, a PyTorch baseline, a codec spec or ``codec:diloco=H``."""
     if fsdp and text.strip() == FSDP_BASELINE:
         return FSDP_BASELINE
+    if text.strip() == NOSEND:
+        if fsdp:
+            raise CLIError(f"{NOSEND} is a DDP scheme; it does not combine with --fsdp")
+        return NOSEND
     try:
         scheme = parse_scheme(text)
         if scheme.kind == ONEBITADAM:
@@ -241,7 +274,7 @@ def _check_fsdp_scheme(scheme: Scheme) -> None:
 
 def _diloco_h(text: str) -> int:
     """H of a DiLoCo scheme (``int4:diloco=25``), else 0 (``text`` passed :func:`check_schemes`)."""
-    return 0 if text == FSDP_BASELINE else parse_scheme(text).diloco or 0
+    return 0 if text in (FSDP_BASELINE, NOSEND) else parse_scheme(text).diloco or 0
 
 
 # --------------------------------------------------------------------------- the parent
@@ -252,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     why = netns.problem()
     if why:
         raise CLIError(why)
-    defaults = FSDP_SCHEMES if args.fsdp else DEFAULT_SCHEMES
+    hosts, per_node = layout(args)
+    defaults = FSDP_SCHEMES if args.fsdp else NODE_SCHEMES if args.nodes else DEFAULT_SCHEMES
     schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp)
     if not schemes:
         raise CLIError("--schemes is empty")
@@ -266,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
     if args.latency > 0 and not netns.netem_available():
         raise CLIError("--latency needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM); "
                        "run without --latency")
-    result = bench(schemes, args.workers, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
-                   args.batch_size, args.threads, args.timeout, args.fsdp)
+    result = bench(schemes, hosts, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
+                   args.batch_size, args.threads, args.timeout, args.fsdp, per_node)
     if args.json:
         print(json.dumps(result, indent=1, allow_nan=False))
     else:
@@ -275,13 +309,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def layout(args: argparse.Namespace) -> tuple[int, int]:
+    """(hosts, workers per host) from ``--workers`` or ``--nodes``/``--workers-per-node``; ``CLIError`` (one line)
+    for a mix of the two or too many workers."""
+    if args.nodes is None:
+        if args.workers_per_node is not None:
+            raise CLIError("--workers-per-node goes with --nodes")
+        return args.workers or 4, 1
+    if args.workers is not None:
+        raise CLIError("give either --workers (one worker per host) or --nodes with --workers-per-node, not both")
+    per_node = args.workers_per_node or 1
+    if args.nodes * per_node > MAX_NODE_WORKERS:
+        raise CLIError(f"--nodes x --workers-per-node is {args.nodes * per_node}; at most {MAX_NODE_WORKERS} workers")
+    if args.fsdp:
+        raise CLIError("--fsdp runs with --workers (one worker per host), not with --nodes")
+    return args.nodes, per_node
+
+
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
-          batch_size: int, threads: int | None, timeout: float, fsdp: bool = False) -> dict:
-    """Build the testbed, run every scheme on every host, tear everything down; the merged result."""
+          batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1) -> dict:
+    """Build the testbed (``workers`` hosts, ``per_node`` workers on each), run every scheme on every worker, tear
+    everything down; the merged result."""
     from .. import testbed
 
-    threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    print(f"netbench: {workers} hosts, {_fmt_rate(rate_bit)}"
+    threads = threads or max(1, (os.cpu_count() or 1) // (workers * per_node))
+    where = f"{workers} nodes x {per_node} workers" if per_node > 1 else f"{workers} hosts"
+    print(f"netbench: {where}, {_fmt_rate(rate_bit)}"
           f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
           f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
     settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
@@ -290,10 +343,11 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
         records = testbed.run_workers(
             workers, settings, module="gradcompress.cli.netbench", rate_bit=rate_bit, delay_s=latency_s,
             timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
-            timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)")
+            timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)", workers_per_node=per_node)
     except testbed.TestbedError as err:
         raise CLIError(str(err)) from None
-    return merge(records, schemes, workers, rate_bit, latency_s, model, steps, warmup, batch_size, threads, fsdp)
+    return merge(records, schemes, workers * per_node, rate_bit, latency_s, model, steps, warmup, batch_size, threads,
+                 fsdp, per_node)
 
 
 def _fmt_rate(bit: float) -> str:
@@ -304,10 +358,12 @@ def _fmt_rate(bit: float) -> str:
 
 # --------------------------------------------------------------------------- the report
 def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str,
-          steps: int, warmup: int, batch_size: int, threads: int, fsdp: bool = False) -> dict:
-    """Every rank's records into the per-scheme figures (see the module docstring)."""
+          steps: int, warmup: int, batch_size: int, threads: int, fsdp: bool = False, per_node: int = 1) -> dict:
+    """Every rank's records into the per-scheme figures (see the module docstring); ``workers``: all of them,
+    ``per_node`` on each host."""
     shapes = [tuple(s) for s in records[0]["shapes"]]
-    rows = [_row(text, [r["schemes"][i] for r in records], shapes, workers) for i, text in enumerate(schemes)]
+    rows = [_row(text, [r["schemes"][i] for r in records], shapes, workers, per_node)
+            for i, text in enumerate(schemes)]
     base = next((r for r in rows if r["scheme"] in ("ddp", FSDP_BASELINE)), None) or \
         next((r for r in rows if r["scheme"] == "none"), None)
     for r in rows:
@@ -315,6 +371,8 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "workers": workers,
+        "nodes": workers // per_node,
+        "workers_per_node": per_node,
         "bandwidth_bit": rate_bit,
         "latency_s": latency_s,
         "model": model,
@@ -340,7 +398,7 @@ def merge(records: list[dict], schemes: list[str], workers: int, rate_bit: float
     }
 
 
-def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int) -> dict:
+def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_node: int = 1) -> dict:
     """One scheme's figures from every rank's record of it (``speedup`` is added by :func:`merge`)."""
     n = len(recs[0]["step_seconds"])  # DiLoCo: whole intervals, maybe more than --steps
     per_step = [max(r["step_seconds"][k] for r in recs) for k in range(n)]
@@ -369,7 +427,32 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int) -> dict
         "buckets": recs[0]["buckets"],
         "error_feedback": recs[0]["error_feedback"],
         "final_loss": recs[0]["loss"],
+        **_node_figures(text, recs, shapes, workers, per_node, n),
     }
+
+
+def _node_figures(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_node: int, n: int) -> dict:
+    """Per node and step: the uplink's tx bytes (read by the node's local rank 0; every worker of the node reads
+    the same counter), the sum of its workers' ``stats()["inter_node_bytes"]`` (ours; for the PyTorch baselines
+    the cost model's count of what crosses the uplink, marked ``model``), and the topology ours ran."""
+    from ..costmodel import node_uplink_bytes, parse_scheme as cost_scheme
+
+    nodes = workers // per_node
+    uplink = [recs[k * per_node]["iface_tx_bytes"] / n for k in range(nodes)]
+    if recs[0].get("inter_node_bytes") is not None:
+        inter = [sum(r["inter_node_bytes"] for r in recs[k * per_node:(k + 1) * per_node]) / n for k in range(nodes)]
+        source = "stats"
+    elif text == NOSEND:
+        inter, source = [0.0] * nodes, "model"
+    elif _diloco_h(text) or text == FSDP_BASELINE:
+        inter, source = [None] * nodes, None
+    else:
+        model = node_uplink_bytes(cost_scheme(text), shapes, nodes, per_node, hierarchical=False,
+                                  bucket_cap=recs[0]["bucket_cap_bytes"])
+        inter, source = [float(model)] * nodes, "model"
+    return {"uplink_tx_bytes_per_step_by_node": uplink, "uplink_tx_bytes_per_step": statistics.fmean(uplink),
+            "inter_node_bytes_per_step_by_node": inter, "inter_node_bytes_source": source,
+            "topology": recs[0].get("topology")}
 
 
 def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, bucket_cap: int | None):
@@ -379,6 +462,8 @@ def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, buck
 
     if h:
         return "diloco", None
+    if text == NOSEND:
+        return NOSEND, 0
     if text == FSDP_BASELINE:
         return "fsdp", (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
     scheme = cost_scheme(text)
@@ -393,7 +478,66 @@ def _effective_bandwidth(records: list[dict], workers: int) -> float | None:
     return 2 * (workers - 1) / workers * 8 * 2**20 / t if t > 0 else None
 
 
+def flat_twin(text: str) -> str | None:
+    """The ``topology=flat`` variant of a codec scheme (None for the others): what its hierarchical row is set
+    beside."""
+    if text in (NOSEND, FSDP_BASELINE):
+        return None
+    scheme = parse_scheme(text)
+    if scheme.kind != "ours" or "topology" in scheme.compressor:
+        return None
+    return text + ("," if ":" in text else ":") + "topology=flat"
+
+
+def node_ratios(result: dict) -> dict:
+    """Per scheme: its uplink bytes over DDP's and over torch-fp16's, and a hierarchical scheme's over its own
+    ``topology=flat`` variant's (None where that row was not run)."""
+    rows = {r["scheme"]: r for r in result["schemes"]}
+    up = {name: r["uplink_tx_bytes_per_step"] for name, r in rows.items()}
+
+    def over(name, base):
+        return up[name] / up[base] if base in up and up[base] else None
+
+    return {name: {"x_ddp": over(name, "ddp"), "x_fp16": over(name, "torch-fp16"),
+                   "x_flat": over(name, flat_twin(name)) if flat_twin(name) else None} for name in rows}
+
+
+def format_node_table(result: dict) -> str:
+    """The --nodes report: per scheme the topology it ran, step time, speed-up, each node's uplink bytes (its tx
+    counter) next to the node's workers' ``inter_node_bytes``, and the uplink ratios to DDP, fp16 and its flat twin."""
+    ratios = node_ratios(result)
+
+    def ratio(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    rows = [("scheme", "topology", "step ms", "speed-up", "uplink B/node/step", "inter_node_bytes/node",
+             "x DDP", "x fp16", "x own flat")]
+    for r in result["schemes"]:
+        inter = r["inter_node_bytes_per_step_by_node"]
+        mark = " (model)" if r["inter_node_bytes_source"] == "model" else ""
+        rows.append((r["scheme"], r["topology"] or ("-" if r["kind"] == NOSEND else "flat (DDP)"),
+                     f"{1e3 * r['median_step_s']:.0f}", "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                     " / ".join(human_bytes(b) for b in r["uplink_tx_bytes_per_step_by_node"]),
+                     "n/a" if inter[0] is None else human_bytes(statistics.fmean(inter)) + mark,
+                     ratio(ratios[r["scheme"]]["x_ddp"]), ratio(ratios[r["scheme"]]["x_fp16"]),
+                     ratio(ratios[r["scheme"]]["x_flat"])))
+    lines = [f"{result['nodes']} nodes x {result['workers_per_node']} workers, uplinks at "
+             f"{_fmt_rate(result['bandwidth_bit'])}; model {result['model']} ({result['params']:,} parameters), batch "
+             f"{result['batch_size']}; median of {result['steps']} steps after {result['warmup']}; "
+             f"{result['threads_per_worker']} thread(s) per worker on {result['cpu_count']} CPUs; compute alone "
+             f"{1e3 * result['compute_s']:.0f} ms/step"]
+    lines += table_lines(rows)
+    lines.append("uplink: bytes each node's veth transmitted per step (its tx counter; one value per node); "
+                 "inter_node_bytes: the node's workers' Compressor.stats()['inter_node_bytes'] summed (flat: every "
+                 "byte, also those to the node's own workers, which stay on its loopback); '(model)': the cost "
+                 "model's uplink count for a PyTorch baseline; x DDP / x fp16 / x own flat: uplink bytes over "
+                 "those of ddp, torch-fp16 and the scheme's topology=flat row")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
+    if result.get("workers_per_node", 1) > 1:
+        return format_node_table(result)
     head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
             "buckets")
     rows = [head]
@@ -608,6 +752,8 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
         return None if comp is None else st1[key] - st0[key]
 
     return {"step_seconds": step_times, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
+            "inter_node_bytes": delta("inter_node_bytes"), "intra_node_bytes": delta("intra_node_bytes"),
+            "topology": None if comp is None else st1["topology"]["kind"],
             "codec_seconds": delta("codec_seconds"), "comm_seconds": delta("comm_seconds"),
             "loss": loss if math.isfinite(loss) else None}
 
@@ -629,6 +775,8 @@ def _setup(cfg: dict, model, text: str, h: int, one_bucket_mb: int):
     None, optimizer or None for plain SGD)."""
     if cfg.get("fsdp"):
         return (*_fsdp_setup(model, text), None)
+    if text == NOSEND:
+        return _nosend_setup(model)
     if h:
         return _diloco_setup(model, parse_scheme(text))
     return (*_ddp_setup(model, parse_scheme(text), one_bucket_mb), None)
@@ -660,6 +808,15 @@ def _ddp_setup(model, scheme: Scheme, one_bucket_mb: int):
                                                         "seed": 0, **scheme.compressor})
         comp.register(ddp)
     return ddp, comp, default_error_feedback(scheme), cap_mb
+
+
+def _nosend_setup(model):
+    """The limit of every scheme: DDP whose hook sends nothing (DDP's own copies and bookkeeping only)."""
+    import torch.nn as nn
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, _no_communication_hook)
+    return ddp, None, False, None, None
 
 
 def _fsdp_setup(model, text: str):

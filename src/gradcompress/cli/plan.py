@@ -28,11 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
 
-from .common import CLIError, _checked, human_bytes, positive_float, positive_int, split_schemes
+from .common import CLIError, _checked, human_bytes, positive_float, positive_int, split_schemes, table_lines
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048
@@ -42,7 +43,7 @@ _nonnegative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..costmodel import DEFAULT_SCHEMES, FRAMING_EFFICIENCY, SOFTWARE_ALPHA
+    from ..costmodel import DEFAULT_SCHEMES, FRAMING_EFFICIENCY, INTRA_NODE_RATE_BIT, SOFTWARE_ALPHA
     from .netbench import MODELS, _duration, _rate
 
     p = sub.add_parser(
@@ -55,14 +56,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  gradcompress plan --params 25e6 --workers 8 --bandwidth 10gbit --latency 50us --compute-ms 120\n"
                "  gradcompress plan --model mlp --workers 4 --bandwidth 1gbit --compute-ms 60 --cores 2\n"
+               "  gradcompress plan --params 25e6 --nodes 4 --workers-per-node 8 --bandwidth 10gbit --compute-ms 120\n"
                "Schemes as in 'gradcompress netbench' (ddp, torch-fp16, torch-powersgd[:rank=R], or codec specs, "
                "';'-separated). Default: " + "; ".join(DEFAULT_SCHEMES))
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=positive_float, metavar="P", help="number of parameters (e.g. 12.6e6)")
     size.add_argument("--model", choices=MODELS, help="a netbench model (its exact tensor shapes)")
-    p.add_argument("--workers", type=positive_int, required=True, metavar="N", help="data-parallel workers")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="data-parallel workers, each behind its own link (or give --nodes)")
+    p.add_argument("--nodes", type=positive_int, default=None, metavar="N",
+                   help="nodes of --workers-per-node workers sharing one uplink (--bandwidth); plan then shows each "
+                        "scheme flat and hierarchical and says which pays")
+    p.add_argument("--workers-per-node", type=positive_int, default=None, metavar="G",
+                   help="workers per node with --nodes (default 1)")
+    p.add_argument("--intra-bandwidth", type=_rate, default=INTRA_NODE_RATE_BIT, metavar="RATE",
+                   help=f"with --nodes: the link between the workers of a node, per direction (default "
+                        f"{INTRA_NODE_RATE_BIT / 1e9:g}gbit = {INTRA_NODE_RATE_BIT / 8e9:g} GB/s, NVLink-class; "
+                        "PCIe 4.0 x16 is about 250gbit)")
     p.add_argument("--bandwidth", type=_rate, required=True, metavar="RATE",
-                   help="link rate per worker and direction: 100mbit, 1gbit, 10gbit, ...")
+                   help="link rate per worker (with --nodes: per node uplink) and direction: 100mbit, 1gbit, ...")
     p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
                    help="one-way latency, e.g. 1ms (default 0); each message step also costs "
                         f"--per-message-us (default {SOFTWARE_ALPHA * 1e6:g} us)")
@@ -258,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
                                                            else list(cm.DEFAULT_SCHEMES))]
     if not schemes:
         raise CLIError("--schemes is empty")
+    _check_layout(args)
     if args.params is not None:
         params = int(round(args.params))
         if params < 1:
@@ -288,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
                     json.dump(dataclasses.asdict(speeds), f, indent=1)
             except OSError as err:
                 raise CLIError(f"cannot write --calibration {args.calibration!r}: {err.strerror or err}") from None
+    if args.nodes is not None:
+        return _run_nodes(args, schemes, shapes, size_text, speeds, contention)
     preds = cm.with_speedups([
         cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
                    latency_s=args.latency, contention=contention, efficiency=args.efficiency,
@@ -304,11 +319,93 @@ def run(args: argparse.Namespace) -> int:
                         "compressor_phase_s_per_elem": speeds.phases},
         "predictions": [dataclasses.asdict(p) for p in preds],
     }
-    if args.json:
-        print(json.dumps(result, indent=1, allow_nan=False))
-    else:
-        print(format_table(result))
+    return emit(result, args.json, format_table)
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    """Fill ``args.workers`` from ``--nodes`` x ``--workers-per-node``; ``CLIError`` for a missing or mixed layout."""
+    if args.nodes is None:
+        if args.workers_per_node is not None:
+            raise CLIError("--workers-per-node goes with --nodes")
+        if args.workers is None:
+            raise CLIError("give --workers (one link each) or --nodes with --workers-per-node")
+        return
+    if args.workers is not None:
+        raise CLIError("give either --workers or --nodes with --workers-per-node, not both")
+    args.workers_per_node = args.workers_per_node or 1
+    args.workers = args.nodes * args.workers_per_node
+
+
+def node_predictions(args: argparse.Namespace, schemes: list, shapes: list, speeds, contention: float) -> list:
+    """Per scheme the flat prediction and, where the scheme has one, the hierarchical; speed-ups over flat DDP."""
+    from .. import costmodel as cm
+
+    preds = []
+    for s in schemes:
+        for hierarchical in (False, True) if cm.hierarchical_supported(s) else (False,):
+            preds.append(cm.predict_nodes(s, shapes, args.nodes, args.workers_per_node, args.bandwidth,
+                                          args.compute_ms / 1e3, speeds, hierarchical,
+                                          intra_rate_bit=args.intra_bandwidth, latency_s=args.latency,
+                                          contention=contention, efficiency=args.efficiency,
+                                          software_alpha=args.per_message_us / 1e6))
+    base = next((p for p in preds if p.scheme == "ddp"), None) or \
+        next((p for p in preds if p.scheme == "none" and p.topology == "flat"), None)
+    if base is None:
+        return preds
+    return [dataclasses.replace(p, speedup=base.step_s / p.step_s if p.step_s > 0 else None) for p in preds]
+
+
+def which_pays(preds: list[dict]) -> list[str]:
+    """One line per scheme run both ways: hierarchical or flat, by predicted step time and uplink bytes."""
+    lines = []
+    by = {}
+    for p in preds:
+        by.setdefault(p["scheme"], {})[p["topology"]] = p
+    for name, two in by.items():
+        if len(two) < 2:
+            continue
+        f, h = two["flat"], two["hierarchical"]
+        faster = "hierarchical" if h["step_s"] < f["step_s"] else "flat"
+        lines.append(f"{name}: {faster} pays ({1e3 * h['step_s']:.1f} ms hierarchical vs {1e3 * f['step_s']:.1f} ms "
+                     f"flat; uplink {h['wire_bytes'] / f['wire_bytes']:.2f}x flat's bytes)" if f["wire_bytes"] else
+                     f"{name}: {faster} pays")
+    return lines
+
+
+def _run_nodes(args: argparse.Namespace, schemes: list, shapes: list, size_text: str, speeds, contention: float) -> int:
+    """``plan --nodes``: every scheme flat and hierarchical on N nodes of G workers; the table or JSON."""
+    preds = [dataclasses.asdict(p) for p in node_predictions(args, schemes, shapes, speeds, contention)]
+    result = {"nodes": args.nodes, "workers_per_node": args.workers_per_node, "workers": args.workers,
+              "bandwidth_bit": args.bandwidth, "intra_bandwidth_bit": args.intra_bandwidth, "latency_s": args.latency,
+              "compute_s": args.compute_ms / 1e3, "params": sum(math.prod(s) for s in shapes), "size": size_text,
+              "contention": contention, "predictions": preds, "which_pays": which_pays(preds)}
+    return emit(result, args.json, format_node_table)
+
+
+def emit(result: dict, as_json: bool, fmt) -> int:
+    """Print ``result`` as JSON or as ``fmt(result)``; the exit code 0."""
+    print(json.dumps(result, indent=1, allow_nan=False) if as_json else fmt(result))
     return 0
+
+
+def format_node_table(result: dict) -> str:
+    """``plan --nodes``'s table: per scheme and topology the uplink bytes per node, the bytes one worker sends
+    inside its node, the times and the speed-up over flat DDP, then which topology pays per scheme."""
+    from ..costmodel import format_rate
+
+    rows = [("scheme", "topology", "uplink/node", "intra/worker", "comm ms", "codec ms", "step ms", "speed-up")]
+    for p in result["predictions"]:
+        rows.append((p["scheme"], p["topology"], human_bytes(p["wire_bytes"]), human_bytes(p["intra_bytes"]),
+                     f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}", f"{1e3 * p['step_s']:.1f}",
+                     "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x"))
+    lines = [f"{result['nodes']} nodes x {result['workers_per_node']} workers, uplink "
+             f"{format_rate(result['bandwidth_bit'])} per node, inside a node {format_rate(result['intra_bandwidth_bit'])}; "
+             f"{result['size']}; compute {1e3 * result['compute_s']:g} ms/step"]
+    lines += table_lines(rows)
+    lines += result["which_pays"]
+    lines.append("uplink/node: bytes one node's uplink carries per step (flat: gloo's rings in rank order and direct "
+                 "all-to-all); intra/worker: what one worker sends inside its node; speed-up: over flat DDP")
+    return "\n".join(lines)
 
 
 def verdict(speedup: float | None) -> str:
