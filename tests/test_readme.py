@@ -70,9 +70,10 @@ def test_snippet_runs(name, code, group_results):
         assert sorted(os.listdir(workdir)) == ["ckpt.0", "ckpt.1"]
 
 
-def test_the_readme_demo_table_is_what_the_committed_results_print():
+@pytest.mark.parametrize("results", ["demo-results.json", "lm-demo-results.json"])
+def test_the_readme_demo_table_is_what_the_committed_results_print(results):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "readme_tables.py"),
-           os.path.join(ROOT, "docs", "demo-results.json"), "--check", README]
+           os.path.join(ROOT, "docs", results), "--check", README]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     assert done.returncode == 0, done.stdout + done.stderr
