@@ -140,3 +140,60 @@ def ddp_hierarchical(rank, world, per_node, spec, steps):
     hook = workers.ddp_steps(rank, world, spec, steps, 0.005, dict(options), "hook")
     sync = workers.ddp_steps(rank, world, spec, steps, options=dict(options), mode="synchronize")
     return {"hook": hook, "sync": sync}
+
+
+#: PowerSGD's cases: two matrices (one per local rank of 2 under the size-balanced ownership), a vector and a bias
+#: (dense: no matrix shape)
+POWER_SHAPES = [(48, 64), (40, 32), (2000,), (10,)]
+POWER_RANK = 2
+
+
+def _factors(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed rank-POWER_RANK bases (columns) of matrix i: every worker's matrix lies in their span."""
+    g = torch.Generator().manual_seed(7_000 + i)
+    n, m = POWER_SHAPES[i]
+    return torch.randn(n, POWER_RANK, generator=g), torch.randn(m, POWER_RANK, generator=g)
+
+
+def power_grad(rank: int, step: int, i: int, low_rank: bool) -> torch.Tensor:
+    """Worker ``rank``'s gradient of tensor i at ``step``; ``low_rank``: the matrices are a * diag(c) * b^T with
+    fixed bases a, b and per-worker coefficients c (so every average has rank <= POWER_RANK)."""
+    g = torch.Generator().manual_seed(200_000 * step + 100 * rank + i)
+    shape = POWER_SHAPES[i]
+    if low_rank and len(shape) == 2:
+        a, b = _factors(i)
+        return (a * torch.randn(POWER_RANK, generator=g)) @ b.T
+    return torch.randn(shape, generator=g)
+
+
+def power_steps(rank: int, comp, steps: int, low_rank: bool, poison: tuple | None = None) -> dict:
+    """``steps`` synchronize() steps of PowerSGD's cases (see :func:`_steps`)."""
+    params = [nn.Parameter(torch.zeros(s)) for s in POWER_SHAPES]
+    out = {"grads": [], "committed": [], "states": []}
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = power_grad(rank, step, i, low_rank)
+        if poison == (rank, step):
+            params[1].grad.view(-1)[3] = float("inf")
+        out["committed"].append(comp.synchronize(params))
+        out["grads"].append([p.grad.clone() for p in params])
+        out["states"].append(comp.state_dict())
+    out["stats"] = comp.stats()
+    return out
+
+
+def powersgd(rank, world, per_node, steps):
+    """PowerSGD hierarchical (``topology=per_node``) and flat: random and low-rank inputs, an Inf on rank 1 at
+    step 1 (momentum correction on), and a resume."""
+    spec = f"powersgd:rank={POWER_RANK}"
+
+    def comp(**kw):
+        return gradcompress.Compressor(spec, min_numel=MIN_NUMEL, **{"topology": per_node, **kw})
+
+    return {"random": power_steps(rank, comp(), steps, False),
+            "low rank": power_steps(rank, comp(), steps, True),
+            "flat": power_steps(rank, comp(topology="flat"), steps, False),
+            "poisoned": power_steps(rank, comp(momentum=0.9), 3, False, poison=(1, 1)),
+            "alternate": power_steps(rank, gradcompress.Compressor(spec + ",alternate=true", min_numel=MIN_NUMEL,
+                                                                   topology=per_node), steps, False),
+            "resumed": resumed(rank, world, spec, per_node, 5, 2)}
