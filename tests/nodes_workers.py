@@ -197,3 +197,56 @@ def powersgd(rank, world, per_node, steps):
             "alternate": power_steps(rank, gradcompress.Compressor(spec + ",alternate=true", min_numel=MIN_NUMEL,
                                                                    topology=per_node), steps, False),
             "resumed": resumed(rank, world, spec, per_node, 5, 2)}
+
+
+def _adam_run(rank, make_opt, first, last, model=None, opt=None):
+    """Steps ``first .. last - 1`` of onebit_workers' model; returns (model, optimizer, inter-node bytes per step)."""
+    import onebit_workers as ow
+
+    if model is None:
+        model = ow.make_model()
+        opt = make_opt(model)
+    inter = []
+    for step in range(first, last):
+        before = opt.stats()["inter_node_bytes"]
+        opt.zero_grad()
+        ow.backward(model, rank, step)
+        opt.step()
+        inter.append(opt.stats()["inter_node_bytes"] - before)
+    return model, opt, inter
+
+
+def adam_nodes(rank, world, cases, warmup, total, cut):
+    """For each ``(name, codec, topology)``: CompressedAdam (OneBitAdam for ``codec=None``) for ``total`` steps,
+    and ``cut`` steps, a state_dict through torch.save/load (weights_only), a fresh optimizer for the rest."""
+    import io
+
+    import onebit_workers as ow
+    from gradcompress.optim import CompressedAdam, OneBitAdam
+
+    def make(codec, topology):
+        def make_opt(model):
+            if codec is None:
+                return OneBitAdam(model.parameters(), warmup_steps=warmup, topology=topology, **ow.HYPER)
+            return CompressedAdam(model.parameters(), warmup_steps=warmup, codec=codec, topology=topology,
+                                  **ow.HYPER)
+        return make_opt
+
+    out = {}
+    for name, codec, topology in cases:
+        make_opt = make(codec, topology)
+        model, opt, inter = _adam_run(rank, make_opt, 0, total)
+        first, first_opt, _ = _adam_run(rank, make_opt, 0, cut)
+        buf = io.BytesIO()
+        torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        second = ow.make_model(seed=123)
+        second.load_state_dict(saved["model"])
+        second_opt = make_opt(second)
+        second_opt.load_state_dict(saved["opt"])
+        _adam_run(rank, make_opt, cut, total, second, second_opt)
+        out[name] = {"params": ow.flat(model), "inter": inter, "stats": opt.stats(), "resumed": ow.flat(second),
+                     "worker_error": tuple(opt.state[model[0].weight]["worker_error"].shape),
+                     "server_error": tuple(opt.state[model[0].weight]["server_error"].shape)}
+    return out

@@ -346,3 +346,58 @@ def test_powersgd_resume_bit_for_bit_with_the_same_topology(power):
         assert got["saved_topology"] == "2x2 intra_node=none"
         for a, b in zip(got["rest"]["grads"], got["straight"]["grads"][2:]):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+
+
+# ---------------------------------------------------------------- CompressedAdam / OneBitAdam with topology=
+ADAM_CASES = [("onebit", None, 2), ("onebit flat", None, "flat"), ("int8", "int8", 2), ("int8 flat", "int8", "flat"),
+              ("powersgd", "powersgd:rank=2", 2)]
+ADAM_WARMUP, ADAM_TOTAL, ADAM_CUT = 2, 7, 4
+
+
+@pytest.fixture(scope="module")
+def adam():
+    return launch.run(nw.adam_nodes, 4, ADAM_CASES, ADAM_WARMUP, ADAM_TOTAL, ADAM_CUT, timeout=TIMEOUT)
+
+
+def test_adam_hierarchical_replicas_equal_and_moved(adam):
+    for name, _, topo in ADAM_CASES:
+        for rank in range(4):
+            got = adam[rank][name]
+            assert torch.equal(got["params"], adam[0][name]["params"]), (name, rank)
+            assert got["stats"]["topology"]["kind"] == ("flat" if topo == "flat" else "hierarchical"), name
+            assert got["stats"]["skipped"] == 0, name
+    import onebit_workers as ow
+
+    start = ow.flat(ow.make_model())
+    assert float((adam[0]["onebit"]["params"] - start).abs().max()) > 1e-3
+
+
+def test_adam_hierarchical_sends_fewer_bytes_between_nodes(adam):
+    """On compressed steps each node's uplink (the sum over its 2 workers) carries < 0.4 of the flat exchange's
+    (flat: every worker's payload to 3 others; hierarchical: each worker's 1/2 piece to 1 other); warm-up steps
+    are the same dense all-reduce."""
+    for name in ("onebit", "int8"):
+        hier = [adam[0][name]["inter"][s] + adam[1][name]["inter"][s] for s in range(ADAM_TOTAL)]
+        flat = [adam[0][name + " flat"]["inter"][s] + adam[1][name + " flat"]["inter"][s] for s in range(ADAM_TOTAL)]
+        assert hier[:ADAM_WARMUP] == flat[:ADAM_WARMUP], name
+        for s in range(ADAM_WARMUP, ADAM_TOTAL):
+            assert 0 < hier[s] < 0.4 * flat[s], (name, s, hier[s], flat[s])
+
+
+def test_adam_residuals_are_this_ranks_piece_in_the_optimizer_state(adam):
+    """The first weight (256 x 64 = 16384 elements): worker_error is this rank's 8192-element piece, server_error
+    its chunk of the piece between the 2 nodes; flat: the whole parameter and a quarter chunk; PowerSGD whole."""
+    from gradcompress.exchanges.layout import chunk_numel
+
+    for rank in range(4):
+        assert adam[rank]["onebit"]["worker_error"] == (8192,)
+        assert adam[rank]["onebit"]["server_error"] == (chunk_numel(8192, 2),)
+        assert adam[rank]["onebit flat"]["worker_error"] == (256, 64)
+        assert adam[rank]["onebit flat"]["server_error"] == (chunk_numel(16384, 4),)
+        assert adam[rank]["powersgd"]["worker_error"] == (256, 64)
+
+
+def test_adam_resume_bit_for_bit_with_the_same_topology(adam):
+    for name, _, _ in ADAM_CASES:
+        for rank in range(4):
+            assert torch.equal(adam[rank][name]["resumed"], adam[rank][name]["params"]), (name, rank)
