@@ -250,3 +250,44 @@ def adam_nodes(rank, world, cases, warmup, total, cut):
                      "worker_error": tuple(opt.state[model[0].weight]["worker_error"].shape),
                      "server_error": tuple(opt.state[model[0].weight]["server_error"].shape)}
     return out
+
+
+def _diloco_model() -> nn.Module:
+    torch.manual_seed(0)  # the same start everywhere (DiLoCo broadcasts rank 0's anyway)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def _diloco_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(50_000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+
+
+def diloco_ddp(rank, world, per_node, codecs, syncs, every):
+    """DiLoCo between nodes with DDP inside each node (on ``gradcompress.topology.resolve(per_node).intra``): the
+    parameters after every inner step, and before and after every sync (called explicitly every ``every`` steps;
+    ``codec="none"``, outer_lr 1, no outer momentum: a sync is the mean of the nodes' parameters)."""
+    from gradcompress import topology
+    from gradcompress.optim import DiLoCo
+
+    nodes = topology.resolve(per_node)
+    out = {}
+    for codec in codecs:
+        model = _diloco_model()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=nodes.intra)
+        opt = DiLoCo(ddp, torch.optim.SGD(ddp.parameters(), lr=0.2), sync_every=10**6, codec=codec, outer_lr=1.0,
+                     outer_momentum=0.0)
+        rec = {"steps": [], "before": [], "after": [], "committed": []}
+        for step in range(syncs * every):
+            x, y = _diloco_batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            flat = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+            rec["steps"].append(flat)
+            if (step + 1) % every == 0:
+                rec["before"].append(flat)
+                rec["committed"].append(opt.sync())
+                rec["after"].append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        rec["stats"] = opt.stats()
+        out[codec] = rec
+    return out
