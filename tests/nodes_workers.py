@@ -291,3 +291,33 @@ def diloco_ddp(rank, world, per_node, codecs, syncs, every):
         rec["stats"] = opt.stats()
         out[codec] = rec
     return out
+
+
+def fsdp_nodes(rank, world, cases, steps):
+    """FSDP2 with ``register_fsdp(model, spec, topology=...)``: for each ``(name, scheme, options)`` the sharded
+    gradients of ``steps`` backward passes on a fixed batch (no updates) and stats; ``poison=step`` in the options:
+    an Inf in rank 1's batch at that step. Also the exact average's shards."""
+    import fsdp_workers as fw
+    from workers import batch, make_model
+
+    x, y = batch(rank, 0)
+    local = make_model()
+    nn.functional.cross_entropy(local(x), y).backward()
+    everyone: list = [None] * world
+    torch.distributed.all_gather_object(everyone, [p.grad for p in local.parameters()])
+    mine = [[fw.shard_rows(g, rank, world) for g in grads] for grads in everyone]
+    out = {"exact": [sum(m[i] for m in mine) / world for i in range(len(mine[0]))]}
+    for name, scheme, options in cases:
+        options = dict(options)
+        poison = options.pop("poison", None)
+        model, comp = fw.sharded_model(scheme, **options)
+        grads = []
+        for step in range(steps):
+            model.zero_grad()
+            xs = x.clone()
+            if poison == step and rank == 1:
+                xs[0, 0] = float("inf")
+            nn.functional.cross_entropy(model(xs), y).backward()
+            grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        out[name] = {"grads": grads, "stats": comp.stats() if comp else None}
+    return out

@@ -399,7 +399,7 @@ class Compressor:
         encode/decode and state updates; ``comm_seconds``: time waiting on collectives;
         ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent between nodes / inside a node
         (flat: all of it between nodes, unless the group is known to be one node; hierarchical: the collectives
-        between nodes, and those of dense groups and FSDP's reduce-scatter, which stay flat, count between);
+        between nodes, and those of dense groups, which stay flat, count between);
         ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and ``kind`` (``"flat"`` or
         ``"hierarchical"``).
         """
