@@ -239,10 +239,12 @@ def test_local_reduce_scatter_and_single_process_stats():
     assert stats["inter_node_bytes"] == stats["intra_node_bytes"] == stats["wire_bytes"] == 0
 
 
-def test_ddp_hook_goes_hierarchical_with_buckets_and_warm_up():
+@pytest.mark.parametrize("spec", ["int8", "powersgd:rank=2"])
+def test_ddp_hook_goes_hierarchical_with_buckets_and_warm_up(spec):
     """register_ddp_hook(..., topology=2): replicas equal; the same results as synchronize() (state is keyed by
-    tensor pieces, not buckets; rtol 1e-4 as for the flat exchange's bucket independence)."""
-    results = launch.run(nw.ddp_hierarchical, 4, 2, "int8", 3, timeout=TIMEOUT)
+    tensor pieces, or for PowerSGD by whole tensors with owners kept across DDP's bucket rebuild, not by buckets;
+    rtol 1e-4 as for the flat exchange's bucket independence)."""
+    results = launch.run(nw.ddp_hierarchical, 4, 2, spec, 3, timeout=TIMEOUT)
     for rank in range(4):
         hook, sync = results[rank]["hook"], results[rank]["sync"]
         assert hook["stats"]["topology"]["kind"] == "hierarchical" and hook["stats"]["inter_node_bytes"] > 0
@@ -268,6 +270,7 @@ def test_owners_balance_whole_tensors_by_size():
     assert owners([math.prod(s) for s in nw.POWER_SHAPES], 2) == [0, 1, 1, 0]
     assert owners([5, 5, 5], 2) == [0, 1, 0]
     assert owners([1, 9], 3) == [1, 0]
+    assert owners([5, 5, 5], 2, [None, 0, None]) == [1, 0, 0]  # known owners stay, the others balance around them
 
 
 def test_powersgd_hierarchical_replicas_equal_after_every_step(power):

@@ -78,6 +78,7 @@ class Hierarchy:
 
     def __init__(self, topology, intra_node: str = "none", owners: bool = False):
         self.topology, self.owners = topology, owners
+        self.assigned: dict = {}  # owners=True: key -> the local rank that owns it (kept across steps)
         self.intra, self.inter = Collectives(topology.intra), Collectives(topology.inter)
         self.cast = CASTS[intra_node]
 
@@ -87,7 +88,7 @@ class Hierarchy:
         if self.owners:
             inner = _Dense(self.inter) if dense else GroupExchange(
                 self.inter, codec, LowRankExchange(self.inter, codec, seed), min_numel)
-            return OwnerExchange(self.intra, inner, self.cast)
+            return OwnerExchange(self.intra, inner, self.cast, self.assigned)
         if dense:
             inner = _Dense(self.inter)
         else:

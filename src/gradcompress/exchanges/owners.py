@@ -2,7 +2,8 @@
 
 PowerSGD compresses matrices, so the flat 1/G pieces of :mod:`.hierarchical` do not fit it. Here, for N nodes of G
 workers, each tensor of the group belongs to one local rank (:func:`owners`: largest first, each to the least
-loaded rank, so every rank holds about 1/G of the bytes; the same assignment on every rank and every node):
+loaded rank, so every rank holds about 1/G of the bytes; the same assignment on every rank and every node, kept
+for the tensor's later steps):
 
 1. inside the node, a reduce-scatter of a buffer laid out by owner (block j: the tensors owned by local rank j,
    back to back, zero-padded to the largest block): what is sent is (G-1) blocks, about (G-1)/G of the group's
@@ -33,12 +34,37 @@ from ..collectives import Collectives, Job
 from .context import all_finite
 
 
-def owners(numels: Sequence[int], parts: int) -> list[int]:
-    """The local rank that owns each tensor: largest first (ties by position), each to the least loaded rank
-    (ties to the lowest). Deterministic: every rank computes the same list from the same sizes."""
+#: rounds of collectives an inner exchange may take (PowerSGD's P and Q all-reduces; dense: one)
+INNER_ROUNDS = 2
+
+
+def padded(job: Job, rounds: int) -> Job:
+    """``job`` followed by empty rounds up to ``rounds`` in all. The local ranks of a node run inner exchanges of
+    different lengths (an owner of matrices two rounds, one of only small tensors one, one of nothing none); padded,
+    every local rank reaches the node's all-gather at the same round, so jobs driven round-robin (DDP's buckets)
+    issue the node's collectives in the same order on each of its workers."""
+    count = 0
+    for works in job:
+        count += 1
+        yield works
+    if count > rounds:
+        raise RuntimeError(f"gradcompress: an inner exchange took {count} rounds, more than {rounds}")
+    for _ in range(rounds - count):
+        yield []
+
+
+def owners(numels: Sequence[int], parts: int, known: Sequence[int | None] = ()) -> list[int]:
+    """The local rank that owns each tensor: ``known[i]`` where given (an owner assigned at an earlier step), the
+    others largest first (ties by position), each to the least loaded rank (ties to the lowest). Deterministic:
+    every rank computes the same list from the same sizes."""
+    known = list(known) or [None] * len(numels)
     load = [0] * parts
     owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    for i, j in enumerate(known):
+        if j is not None:
+            owner[i] = j
+            load[j] += numels[i]
+    for i in sorted((i for i, j in enumerate(known) if j is None), key=lambda i: (-numels[i], i)):
         j = min(range(parts), key=lambda r: (load[r], r))
         owner[i] = j
         load[j] += numels[i]
@@ -65,17 +91,22 @@ def wire_dtype(cast: torch.dtype | None, grads) -> torch.dtype:
 
 class OwnerExchange:
     """Reduce to each tensor's owner inside the node, ``inner`` between nodes on the owner's tensors, all-gather
-    inside (module doc). ``inner.job(ctx, keys, tensors, dense_keys)`` averages the owner's tensors in place."""
+    inside (module doc). ``inner.job(ctx, keys, tensors, dense_keys)`` averages the owner's tensors in place.
+    ``assigned``: key -> owner, kept across steps (by the :class:`~.hierarchical.Hierarchy`): a tensor keeps the
+    owner it got when first seen, so its state stays where it lives when DDP regroups its buckets."""
 
-    def __init__(self, intra: Collectives, inner, cast: torch.dtype | None):
+    def __init__(self, intra: Collectives, inner, cast: torch.dtype | None, assigned: dict | None = None):
         self.intra, self.inner, self.cast = intra, inner, cast
+        self.assigned = {} if assigned is None else assigned
 
     def job(self, ctx, keys, grads) -> Job:
         if not grads:
             return
         parts, me = self.intra.world, self.intra.rank
         numels = [g.numel() for g in grads]
-        owner = owners(numels, parts)
+        owner = owners(numels, parts, [self.assigned.get(k) for k in keys])
+        for k, j in zip(keys, owner):
+            self.assigned.setdefault(k, j)
         offsets, block = _places(numels, owner, parts)
         dtype = wire_dtype(self.cast, grads)
         send = ctx.zeroed("owner send", tuple(keys), parts * block, dtype, grads[0].device).view(parts, block)
@@ -87,7 +118,7 @@ class OwnerExchange:
         idx = [i for i, j in enumerate(owner) if j == me]
         tensors = [mine[offsets[i] : offsets[i] + numels[i]].view(grads[i].shape) for i in idx]
         inner = ctx.apart()
-        yield from self.inner.job(inner, [keys[i] for i in idx], tensors, frozenset())
+        yield from padded(self.inner.job(inner, [keys[i] for i in idx], tensors, frozenset()), INNER_ROUNDS)
         flag = torch.where(inner.all_checked(mine.device), 0.0, math.nan).reshape(1)
         gathered, work = self.intra.all_gather_flat(torch.cat([mine, flag]).to(dtype))
         yield [work]
@@ -105,4 +136,4 @@ class OwnerExchange:
                 g[(0,) * g.dim()].add_(flags)
 
 
-__all__ = ["OwnerExchange", "owners", "wire_dtype"]
+__all__ = ["INNER_ROUNDS", "OwnerExchange", "owners", "padded", "wire_dtype"]
