@@ -26,15 +26,18 @@ def _params():
     return [nn.Parameter(torch.zeros(s)) for s in SHAPES]
 
 
-def _steps(rank: int, comp, params, steps, start: int = 0, poison: tuple | None = None) -> dict:
-    """``steps`` synchronize() steps from ``start``; ``poison=(rank, step)``: an Inf in that rank's first tensor
-    at that step. Returns per step the averaged gradients, committed flags and the state after the step."""
+def _steps(rank: int, comp, params, steps, start: int = 0, poison: tuple | None = None, grad_of=None,
+           poison_at: tuple = (0, 5)) -> dict:
+    """``steps`` synchronize() steps from ``start``; ``poison=(rank, step)``: an Inf in that rank's gradient at
+    that step (tensor, element ``poison_at``); ``grad_of(rank, step, i)``: the gradients (default :func:`grad`).
+    Returns per step the averaged gradients, committed flags and the state after the step."""
+    grad_of = grad_of or grad
     out = {"grads": [], "committed": [], "states": []}
     for step in range(start, start + steps):
         for i, p in enumerate(params):
-            p.grad = grad(rank, step, i)
+            p.grad = grad_of(rank, step, i)
         if poison == (rank, step):
-            params[0].grad.view(-1)[5] = float("inf")
+            params[poison_at[0]].grad.view(-1)[poison_at[1]] = float("inf")
         out["committed"].append(comp.synchronize(params))
         out["grads"].append([p.grad.clone() for p in params])
         out["states"].append(comp.state_dict())
@@ -167,19 +170,10 @@ def power_grad(rank: int, step: int, i: int, low_rank: bool) -> torch.Tensor:
 
 
 def power_steps(rank: int, comp, steps: int, low_rank: bool, poison: tuple | None = None) -> dict:
-    """``steps`` synchronize() steps of PowerSGD's cases (see :func:`_steps`)."""
+    """``steps`` synchronize() steps of PowerSGD's cases (see :func:`_steps`; an Inf in the second matrix)."""
     params = [nn.Parameter(torch.zeros(s)) for s in POWER_SHAPES]
-    out = {"grads": [], "committed": [], "states": []}
-    for step in range(steps):
-        for i, p in enumerate(params):
-            p.grad = power_grad(rank, step, i, low_rank)
-        if poison == (rank, step):
-            params[1].grad.view(-1)[3] = float("inf")
-        out["committed"].append(comp.synchronize(params))
-        out["grads"].append([p.grad.clone() for p in params])
-        out["states"].append(comp.state_dict())
-    out["stats"] = comp.stats()
-    return out
+    return _steps(rank, comp, params, steps, poison=poison, poison_at=(1, 3),
+                  grad_of=lambda r, s, i: power_grad(r, s, i, low_rank))
 
 
 def powersgd(rank, world, per_node, steps):

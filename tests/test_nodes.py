@@ -195,13 +195,18 @@ def test_an_inf_on_one_worker_of_one_node_is_non_finite_everywhere(misc, spec):
             assert all(torch.equal(before[slot][k], after[slot][k]) for k in before[slot]), (rank, slot)
 
 
-def test_resume_bit_for_bit_with_the_same_topology(misc):
-    for rank, out in enumerate(misc):
+def _assert_resumed(results) -> None:
+    """Each rank's resumed run (nodes_workers.resumed) equals the straight one bit for bit; a flat load refused."""
+    for rank, out in enumerate(results):
         got = out["resumed"]
         assert got["saved_topology"] == "2x2 intra_node=none"
         for a, b in zip(got["rest"]["grads"], got["straight"]["grads"][2:]):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
         assert "saved with topology '2x2 intra_node=none'" in got["refused"] and "'flat'" in got["refused"]
+
+
+def test_resume_bit_for_bit_with_the_same_topology(misc):
+    _assert_resumed(misc)
 
 
 def test_refusals_name_the_reason(misc):
@@ -344,11 +349,7 @@ def test_powersgd_inter_node_bytes_are_the_owners_factors(power):
 
 
 def test_powersgd_resume_bit_for_bit_with_the_same_topology(power):
-    for rank, out in enumerate(power):
-        got = out["resumed"]
-        assert got["saved_topology"] == "2x2 intra_node=none"
-        for a, b in zip(got["rest"]["grads"], got["straight"]["grads"][2:]):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+    _assert_resumed(power)
 
 
 # ---------------------------------------------------------------- CompressedAdam / OneBitAdam with topology=

@@ -30,18 +30,16 @@ decision the same everywhere.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
 from ..codecs.base import Aggregation, Codec
 from ..collectives import Collectives, Job
-from .context import all_finite
 from .dense import DenseExchange
 from .grouped import GroupExchange, algebra_exchange
 from .layout import split
 from .lowrank import LowRankExchange
-from .owners import OwnerExchange, wire_dtype
+from .owners import OwnerExchange, gather_node, wire_dtype
 
 CASTS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,11 +129,8 @@ class HierarchicalExchange:
         small = frozenset(pk for pk, g in zip(pkeys, grads) if g.numel() < self.min_numel)
         inner = ctx.apart()
         yield from self.inner.job(inner, pkeys, split(shard, [(p,) for p in per]), small)
-        flag = torch.where(inner.all_checked(shard.device), 0.0, math.nan).reshape(1)
-        gathered, work = self.intra.all_gather_flat(torch.cat([shard, flag]).to(dtype))
-        yield [work]
-        ctx.check(all_finite(gathered))
-        self._land(gathered.view(parts, -1), grads, per, offsets)
+        gathered = yield from gather_node(self.intra, ctx, inner, shard, dtype)
+        self._land(gathered, grads, per, offsets)
 
     @staticmethod
     def _land(gathered: torch.Tensor, grads, per, offsets) -> None:

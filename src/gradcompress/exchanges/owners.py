@@ -53,6 +53,17 @@ def padded(job: Job, rounds: int) -> Job:
         yield []
 
 
+def gather_node(intra: Collectives, ctx, inner, values: torch.Tensor, dtype: torch.dtype) -> Job:
+    """The node's all-gather of this worker's ``values`` and its flag (0 when every check ``inner``, the inner
+    exchange's :class:`~.context.ChecksApart`, collected holds, NaN else), in ``dtype``; the step checks the gathered
+    buffer (the same on every worker of the node). Returns the gathered buffer, one row per worker."""
+    flag = torch.where(inner.all_checked(values.device), 0.0, math.nan).reshape(1)
+    gathered, work = intra.all_gather_flat(torch.cat([values, flag]).to(dtype))
+    yield [work]
+    ctx.check(all_finite(gathered))
+    return gathered.view(intra.world, -1)
+
+
 def owners(numels: Sequence[int], parts: int, known: Sequence[int | None] = ()) -> list[int]:
     """The local rank that owns each tensor: ``known[i]`` where given (an owner assigned at an earlier step), the
     others largest first (ties by position), each to the least loaded rank (ties to the lowest). Deterministic:
@@ -119,11 +130,8 @@ class OwnerExchange:
         tensors = [mine[offsets[i] : offsets[i] + numels[i]].view(grads[i].shape) for i in idx]
         inner = ctx.apart()
         yield from padded(self.inner.job(inner, [keys[i] for i in idx], tensors, frozenset()), INNER_ROUNDS)
-        flag = torch.where(inner.all_checked(mine.device), 0.0, math.nan).reshape(1)
-        gathered, work = self.intra.all_gather_flat(torch.cat([mine, flag]).to(dtype))
-        yield [work]
-        ctx.check(all_finite(gathered))
-        self._land(gathered.view(parts, -1), grads, owner, offsets)
+        gathered = yield from gather_node(self.intra, ctx, inner, mine, dtype)
+        self._land(gathered, grads, owner, offsets)
 
     @staticmethod
     def _land(gathered: torch.Tensor, grads, owner, offsets) -> None:
@@ -136,4 +144,4 @@ class OwnerExchange:
                 g[(0,) * g.dim()].add_(flags)
 
 
-__all__ = ["INNER_ROUNDS", "OwnerExchange", "owners", "padded", "wire_dtype"]
+__all__ = ["INNER_ROUNDS", "OwnerExchange", "gather_node", "owners", "padded", "wire_dtype"]
