@@ -243,7 +243,26 @@ def adam_nodes(rank, world, cases, warmup, total, cut):
         out[name] = {"params": ow.flat(model), "inter": inter, "stats": opt.stats(), "resumed": ow.flat(second),
                      "worker_error": tuple(opt.state[model[0].weight]["worker_error"].shape),
                      "server_error": tuple(opt.state[model[0].weight]["server_error"].shape)}
+        if name == "onebit":  # the hierarchical checkpoint resumed flat: the residuals restart, with a warning
+            out["mismatch"] = _resume_flat(rank, saved, cut, warmup)
     return out
+
+
+def _resume_flat(rank, saved, cut, warmup) -> list[str]:
+    """One OneBitAdam step, topology="flat", from a checkpoint of another topology: the warnings it gave."""
+    import warnings
+
+    import onebit_workers as ow
+    from gradcompress.optim import OneBitAdam
+
+    model = ow.make_model(seed=123)
+    model.load_state_dict(saved["model"])
+    opt = OneBitAdam(model.parameters(), warmup_steps=warmup, topology="flat", **ow.HYPER)
+    opt.load_state_dict(saved["opt"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _adam_run(rank, None, cut, cut + 1, model, opt)
+    return [str(w.message) for w in caught]
 
 
 def _diloco_model() -> nn.Module:

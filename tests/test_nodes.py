@@ -407,6 +407,13 @@ def test_adam_resume_bit_for_bit_with_the_same_topology(adam):
             assert torch.equal(adam[rank][name]["resumed"], adam[rank][name]["params"]), (name, rank)
 
 
+def test_adam_checkpoint_of_another_topology_restarts_the_residuals_with_a_warning(adam):
+    for rank in range(4):
+        caught = adam[rank]["mismatch"]
+        assert any("a worker residual of shape (8192,) does not fit this layout's (256, 64)" in w
+                   and "it and the server residual restart at zero" in w for w in caught), caught
+
+
 # ---------------------------------------------------------------- DiLoCo between nodes, DDP inside
 DILOCO_SYNCS, DILOCO_EVERY = 3, 3
 

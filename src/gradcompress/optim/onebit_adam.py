@@ -464,10 +464,11 @@ class CompressedAdam(torch.optim.Optimizer):
                 state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         worker = state.get("worker_error")
         if worker is None or tuple(worker.shape) != shape:
-            if worker is not None:
+            if worker is not None:  # another layout: its server residual is a chunk of another cut too
                 warnings.warn(f"{type(self).__name__}: a worker residual of shape {tuple(worker.shape)} does not fit "
-                              f"this layout's {shape} (checkpoint from another topology?); it restarts at zero",
-                              stacklevel=3)
+                              f"this layout's {shape} (checkpoint from another topology?); it and the server "
+                              "residual restart at zero", stacklevel=3)
+                state.pop("server_error", None)
             state["worker_error"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         server = state.get("server_error")
         if server is None or server.numel() != chunk:
