@@ -146,8 +146,8 @@ class Compressor:
             hierarchical (:mod:`gradcompress.exchanges.hierarchical`: reduce-scatter inside the node, the codec's
             exchange of each worker's 1/G shard between nodes, all-gather inside); otherwise flat, exactly as
             before. PowerSGD (whole matrices) assigns whole tensors to local ranks instead of flat shards
-            (:mod:`gradcompress.exchanges.owners`). A checkpoint records a hierarchical topology; loading it under another is
-            a ``ValueError``.
+            (:mod:`gradcompress.exchanges.owners`). FSDP's reduce-scatter goes dense inside the node, compressed
+            between. A checkpoint records a hierarchical topology; loading it under another is a ``ValueError``.
         intra_node: the dtype of the hierarchical exchange's traffic inside a node: ``"none"`` (the gradients'
             own), ``"bf16"`` or ``"fp16"`` (16 bits on the wire and in the sum, as BytePS does).
     """
