@@ -64,3 +64,30 @@ def test_error_feedback_resolved_by_the_codec(summaries):
     for scheme, expected in [("int4", True), ("sign:momentum=0.9", True), ("qsgd", False), ("terngrad", False),
                              ("fp16", False), ("topk:ratio=0.01", True), ("powersgd:rank=2", True)]:
         assert summaries[scheme]["error_feedback"] is expected, scheme
+
+
+# ---------------------------------------------------------------- 2 nodes x 2 workers, hierarchical (issue 21)
+#: random-k (unscaled, momentum correction) is left out: on this task it is fragile to the seed in either exchange
+#: (measured at 200 steps: seed 0 flat 96.0 %, hierarchical 91.6 %; seed 1 flat 90.4 %, hierarchical 96.9 %;
+#: uncompressed 96.9 % and 97.6 %), so one seed cannot tell the exchange's effect from the seed's
+HIERARCHICAL = [s for s in SCHEMES if task.scheme_name(s) != "randomk"]
+
+
+@pytest.fixture(scope="module")
+def hierarchical():
+    """Every scheme with ``topology=2`` (nodes of 2 of the 4 workers): dense inside each node, the codec between."""
+    data = task.load_data(seed=0)
+    configs = [task.RunConfig(scheme=s, steps=STEPS, lr=None if task.scheme_name(s) == task.ONEBITADAM else 0.1,
+                              momentum=0.9, warmup_steps=0, min_numel=0, topology=2) for s in HIERARCHICAL]
+    records = launch.run(task.demo_worker, WORKERS, data, configs, timeout=900)
+    return {cfg.scheme: task.summarize([r[i] for r in records], cfg, WORKERS) for i, cfg in enumerate(configs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", HIERARCHICAL)
+def test_hierarchical_2x2_within_tolerance_of_uncompressed(summaries, hierarchical, scheme):
+    """Within 1.5 points (2 for sign) of the flat uncompressed run, and really hierarchical."""
+    base = summaries["none"]["test_accuracy"]
+    got = hierarchical[scheme]
+    assert got["stats"]["topology"] == {"nodes": 2, "workers_per_node": 2, "kind": "hierarchical"}, scheme
+    assert got["test_accuracy"] >= base - TOLERANCE.get(scheme, 1.5), (scheme, got["test_accuracy"], base)

@@ -145,9 +145,9 @@ class Compressor:
             (dim 0 between nodes, dim 1 inside). With 2 or more nodes of 2 or more workers each the exchange is
             hierarchical (:mod:`gradcompress.exchanges.hierarchical`: reduce-scatter inside the node, the codec's
             exchange of each worker's 1/G shard between nodes, all-gather inside); otherwise flat, exactly as
-            before. Not with PowerSGD (whole matrices): ``ValueError`` for an explicit topology, flat with a
-            warning under ``"auto"``. A checkpoint records a hierarchical topology; loading it under another is
-            a ``ValueError``.
+            before. PowerSGD (whole matrices) assigns whole tensors to local ranks instead of flat shards
+            (:mod:`gradcompress.exchanges.owners`). FSDP's reduce-scatter goes dense inside the node, compressed
+            between. A checkpoint records a hierarchical topology; loading it under another is a ``ValueError``.
         intra_node: the dtype of the hierarchical exchange's traffic inside a node: ``"none"`` (the gradients'
             own), ``"bf16"`` or ``"fp16"`` (16 bits on the wire and in the sum, as BytePS does).
     """
@@ -286,15 +286,8 @@ class Compressor:
         nodes = self._nodes
         if nodes is None or len(nodes) < 2 or len(nodes[0]) < 2:
             return
-        if self.codec.aggregation is Aggregation.LOWRANK and self.collective != "allgather":
-            reason = (f"{self.codec.name} needs whole matrices; the hierarchical exchange cuts tensors into flat "
-                      f"shards ({len(nodes)} nodes x {len(nodes[0])} workers)")
-            if self.topology != "auto":
-                raise ValueError(f"gradcompress: topology={topology_mod.describe(self.topology)} is not supported "
-                                 f"with {self.codec.name}: {reason}; pass topology='flat'")
-            warnings.warn(f"gradcompress: the exchange stays flat: {reason}", UserWarning, stacklevel=4)
-            return
-        self.hierarchy = Hierarchy(topology_mod.build(self.topology, nodes, group), self.intra_node)
+        whole = self.codec.aggregation is Aggregation.LOWRANK and self.collective != "allgather"
+        self.hierarchy = Hierarchy(topology_mod.build(self.topology, nodes, group), self.intra_node, owners=whole)
 
     def _topology_text(self) -> str:
         """The resolved topology as a checkpoint records it (``"flat"``, or ``"NxG intra_node=..."``)."""
@@ -406,7 +399,7 @@ class Compressor:
         encode/decode and state updates; ``comm_seconds``: time waiting on collectives;
         ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent between nodes / inside a node
         (flat: all of it between nodes, unless the group is known to be one node; hierarchical: the collectives
-        between nodes, and those of dense groups and FSDP's reduce-scatter, which stay flat, count between);
+        between nodes, and those of dense groups, which stay flat, count between);
         ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and ``kind`` (``"flat"`` or
         ``"hierarchical"``).
         """

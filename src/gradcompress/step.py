@@ -41,7 +41,7 @@ from .collectives import Collectives, Job, Running, drive
 from .exchanges.context import Context, all_finite, key_number, mix_seed
 from .exchanges.dense import DenseExchange
 from .exchanges.grouped import GroupExchange, algebra_exchange
-from .exchanges.reduce_scatter import ReduceScatterExchange
+from .exchanges.reduce_scatter import HierarchicalReduceScatter, ReduceScatterExchange
 from .monitor import StepMonitor
 from .schedule import codec_at
 
@@ -148,7 +148,12 @@ class Step:
 
         def job() -> Job:
             self.raw_bytes += input.numel() * input.element_size()
-            exchange = ReduceScatterExchange(self.comm, self.codec, self.compressor.dense_codec)
+            c = self.compressor
+            if c.hierarchy is not None:  # dense inside each node, compressed between
+                h = c.hierarchy
+                exchange = HierarchicalReduceScatter(h.intra, h.inter, self.codec, c.dense_codec, h.cast)
+            else:
+                exchange = ReduceScatterExchange(self.comm, self.codec, c.dense_codec)
             yield from exchange.job(self.ctx, key, input, output, scale)
 
         return self._timed(job())

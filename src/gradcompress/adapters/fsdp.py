@@ -26,6 +26,11 @@ Codecs: every codec but ``powersgd``, which needs each parameter's whole matrix 
 FSDP hands over flat dim-0 shards; it is refused at registration. HSDP (a 2-D mesh with
 replication): only the reduce-scatter is compressed, the replicas' all-reduce of the
 reduced shards stays dense (FSDP issues it itself).
+
+Several nodes (``register_fsdp(model, spec, topology=G)``, or ``"auto"`` under torchrun): when the reduce-scatter's
+group spans 2 or more nodes of 2 or more workers each, it is dense inside the node and compressed between
+(:class:`gradcompress.exchanges.reduce_scatter.HierarchicalReduceScatter`): each worker compresses 1/G of the buffer
+(its node's sum of the chunks of its local rank's peers), and its residual is that 1/G.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class RunConfig:
     fsdp: bool = False
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
     adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
+    topology: Any = "auto"  # the Compressor's / optimizer's topology= (an int G: nodes of G workers)
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -96,6 +97,8 @@ class RunConfig:
         codec, options = scheme.codec, scheme.compressor
         options.setdefault("error_feedback", self.error_feedback)
         options.setdefault("min_numel", self.min_numel)
+        if self.topology != "auto":
+            options["topology"] = self.topology
         return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
 
     def momentum_corrected(self) -> bool:
@@ -115,6 +118,8 @@ class RunConfig:
         opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
         opts.setdefault("warmup_steps", self.adam_warmup if self.adam_warmup is not None
                         else max(self.warmup_steps, self.steps // 5))
+        if self.topology != "auto":
+            opts["topology"] = self.topology
         return opts
 
     def learning_rate(self) -> float:

@@ -18,7 +18,8 @@ Bias: the inner codec's, on node means instead of single workers' gradients (plu
 ``intra_node`` casts, both ways). Between nodes each worker sends the codec's payload of 1/G of the gradients, so a
 node's uplink carries about 2 c (N-1)/N for a codec of c bytes per gradient instead of G c (N-1)/N flat.
 When to use: several workers per node on a fast link inside (NVLink, PCIe, shared memory) and a slow one between.
-Not for PowerSGD (it needs whole matrices; the Compressor refuses it).
+PowerSGD needs whole matrices: its hierarchical exchange assigns whole tensors to local ranks instead
+(:mod:`.owners`, ``Hierarchy(..., owners=True)``).
 
 Finiteness: the inner exchange's checks hold on its sub-group only (a NaN in one worker's gradient reaches only
 the piece that holds it); they become this worker's flag, gathered inside the node with the result, and the step
@@ -29,16 +30,16 @@ decision the same everywhere.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
 from ..codecs.base import Aggregation, Codec
 from ..collectives import Collectives, Job
-from .context import all_finite
 from .dense import DenseExchange
 from .grouped import GroupExchange, algebra_exchange
 from .layout import split
+from .lowrank import LowRankExchange
+from .owners import OwnerExchange, gather_node, wire_dtype
 
 CASTS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,17 +70,24 @@ class _Dense:
 class Hierarchy:
     """The collectives of a hierarchical topology, kept across steps (their byte counters are
     ``stats()["intra_node_bytes"]`` and ``["inter_node_bytes"]``): ``intra`` on this node's workers, ``inter`` on
-    the workers of this local rank on every node; ``intra_node``: the dtype of the traffic inside the node."""
+    the workers of this local rank on every node; ``intra_node``: the dtype of the traffic inside the node;
+    ``owners``: whole tensors owned by local ranks (:mod:`.owners`, PowerSGD's layout, on every step, warm-up
+    included, so that state keys stay whole tensors) instead of flat 1/G pieces."""
 
-    def __init__(self, topology, intra_node: str = "none"):
-        self.topology = topology
+    def __init__(self, topology, intra_node: str = "none", owners: bool = False):
+        self.topology, self.owners = topology, owners
+        self.assigned: dict = {}  # owners=True: key -> the local rank that owns it (kept across steps)
         self.intra, self.inter = Collectives(topology.intra), Collectives(topology.inter)
         self.cast = CASTS[intra_node]
 
-    def exchange(self, codec: Codec | None, aggregation: Aggregation | None, seed: int,
-                 min_numel: int) -> "HierarchicalExchange":
+    def exchange(self, codec: Codec | None, aggregation: Aggregation | None, seed: int, min_numel: int):
         """The hierarchical exchange of a step with ``codec`` (None or exact: dense)."""
-        if codec is None or codec.exact:
+        dense = codec is None or codec.exact
+        if self.owners:
+            inner = _Dense(self.inter) if dense else GroupExchange(
+                self.inter, codec, LowRankExchange(self.inter, codec, seed), min_numel)
+            return OwnerExchange(self.intra, inner, self.cast, self.assigned)
+        if dense:
             inner = _Dense(self.inter)
         else:
             inner = GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, aggregation, seed), 0)
@@ -93,10 +101,7 @@ class HierarchicalExchange:
         self.intra, self.inner, self.cast, self.min_numel = intra, inner, cast, min_numel
 
     def _wire_dtype(self, grads) -> torch.dtype:
-        if self.cast is not None:
-            return self.cast
-        dtypes = {g.dtype for g in grads}
-        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return wire_dtype(self.cast, grads)
 
     def _blocks(self, ctx, keys, grads, per, offsets, dtype) -> torch.Tensor:
         """The reduce-scatter's input: G blocks, block j = piece j of every tensor (padding stays zero)."""
@@ -124,11 +129,8 @@ class HierarchicalExchange:
         small = frozenset(pk for pk, g in zip(pkeys, grads) if g.numel() < self.min_numel)
         inner = ctx.apart()
         yield from self.inner.job(inner, pkeys, split(shard, [(p,) for p in per]), small)
-        flag = torch.where(inner.all_checked(shard.device), 0.0, math.nan).reshape(1)
-        gathered, work = self.intra.all_gather_flat(torch.cat([shard, flag]).to(dtype))
-        yield [work]
-        ctx.check(all_finite(gathered))
-        self._land(gathered.view(parts, -1), grads, per, offsets)
+        gathered = yield from gather_node(self.intra, ctx, inner, shard, dtype)
+        self._land(gathered, grads, per, offsets)
 
     @staticmethod
     def _land(gathered: torch.Tensor, grads, per, offsets) -> None:

@@ -20,6 +20,22 @@ costs little (it is a sum of H steps, smooth and large).
 
 Bias: with ``codec="none"``, ``sync_every=1``, ``outer_lr=1``, ``outer_momentum=0`` and plain
 SGD inside, a sync is exactly one data-parallel SGD step on the averaged gradient.
+
+DiLoCo between nodes, DDP inside (torchft's "DiLoCo between groups that train with DDP"): wrap the model in
+``DistributedDataParallel`` on the node's own group, and pass the DDP model. Inner steps are then synchronous data
+parallelism inside each node (DDP's all-reduce on the fast link), and every ``sync_every`` steps the nodes average
+their outer gradients::
+
+    nodes = gradcompress.topology.resolve(G)          # or "auto" under torchrun; G workers per node
+    ddp = DistributedDataParallel(model, process_group=nodes.intra)
+    opt = DiLoCo(ddp, torch.optim.AdamW(ddp.parameters()), sync_every=50, codec="int8")
+
+The node's workers hold the same outer gradient, so the outer exchange goes hierarchical (``topology`` = the DDP
+group's size, :mod:`gradcompress.exchanges.hierarchical`): the intra-node reduce-scatter sums the G equal copies and
+divides by G (the node's outer gradient again), each worker sends its 1/G piece between nodes, and an all-gather
+inside the node returns the average: a node's uplink carries one outer gradient, not G. The DDP group must be a
+block of G consecutive ranks of DiLoCo's group (node i: ranks iG .. iG+G-1, as torchrun numbers them); DDP over
+DiLoCo's whole group is refused (there would be nothing left to average).
 """
 
 from __future__ import annotations
@@ -33,10 +49,29 @@ from ..collectives import LocalCollectives
 from ..compressor import Compressor, default_group
 
 
+def ddp_nodes(ddp, process_group) -> int:
+    """The workers per node G of a model wrapped in DDP on its node's group: the DDP group must be a block of G
+    consecutive ranks of DiLoCo's ``process_group`` (not all of it); ``ValueError`` naming the fix otherwise."""
+    group = dist.group.WORLD if process_group is None else process_group
+    outer = dist.get_process_group_ranks(group)
+    inner = dist.get_process_group_ranks(ddp.process_group)
+    size = len(inner)
+    if size == len(outer):
+        raise ValueError("DiLoCo: do not wrap the model in DistributedDataParallel over DiLoCo's whole group: DiLoCo "
+                         "averages the parameters itself, every sync_every steps; pass the bare module, or wrap it "
+                         "in DDP on the node's own group (gradcompress.topology.resolve(G).intra)")
+    if not set(inner) <= set(outer):
+        raise ValueError(f"DiLoCo: the DDP model's group (ranks {inner}) is not inside DiLoCo's group")
+    local = [outer.index(r) for r in inner]
+    if local != list(range(local[0], local[0] + size)) or local[0] % size:
+        raise ValueError(f"DiLoCo: the DDP model's group (ranks {inner}) is not a block of {size} consecutive ranks "
+                         "of DiLoCo's group (node i: ranks i*G .. i*G+G-1); build the DDP groups that way")
+    return size
+
+
 def _params_of(model_or_params) -> list[torch.nn.Parameter]:
     if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("DiLoCo: do not wrap the model in DistributedDataParallel: DiLoCo averages the "
-                         "parameters itself, every sync_every steps; pass the bare module")
+        model_or_params = model_or_params.module
     if isinstance(model_or_params, torch.nn.Module):
         params = list(model_or_params.parameters())
     else:
@@ -54,7 +89,8 @@ class DiLoCo:
     """Wraps an inner optimizer; every ``sync_every`` steps averages the outer gradient, compressed.
 
     Args:
-        model_or_params: the (bare, not DDP-wrapped) model or its parameters.
+        model_or_params: the bare model or its parameters, or the model wrapped in
+            ``DistributedDataParallel`` on its node's own group (module doc: DiLoCo between nodes, DDP inside).
         inner_optimizer: any torch optimizer over those parameters (AdamW in the paper).
         sync_every: inner steps between synchronisations (H >= 1).
         codec: codec spec for the outer gradient (``"none"``, ``"int8"``, ``"int4"``,
@@ -67,6 +103,9 @@ class DiLoCo:
             ``torch.distributed`` (and no group given) DiLoCo runs as a single process: its syncs
             run the same code on :class:`gradcompress.collectives.LocalCollectives` and send nothing.
         seed: seeds the codec's random choices.
+        topology: the outer exchange's (:mod:`gradcompress.topology`). Default: the DDP group's size G for a
+            model wrapped in DDP on its node's group (hierarchical: each worker sends 1/G of the outer
+            gradient), else ``"auto"``.
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
     runs the inner optimizer's step and, every ``sync_every`` calls, the sync;
@@ -76,7 +115,7 @@ class DiLoCo:
 
     def __init__(self, model_or_params, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  codec="none", outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 outer_optimizer=None, error_feedback="auto", process_group=None, seed: int = 0):
+                 outer_optimizer=None, error_feedback="auto", process_group=None, seed: int = 0, topology=None):
         if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -85,10 +124,14 @@ class DiLoCo:
         for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
                 raise ValueError(f"DiLoCo: {name} must be a number >= 0, got {value!r}")
+        if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
+            per_node = ddp_nodes(model_or_params, process_group)
+            topology = per_node if topology is None else topology
         self.params = _params_of(model_or_params)
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
-        self.compressor = Compressor(codec, process_group=process_group, error_feedback=error_feedback, seed=seed)
+        self.compressor = Compressor(codec, process_group=process_group, error_feedback=error_feedback, seed=seed,
+                                     topology="auto" if topology is None else topology)
         self.process_group = process_group
         # without torch.distributed (and no group): a single process, its syncs on explicit local collectives
         self._local = LocalCollectives(1) if process_group is None and default_group() is None else None
@@ -149,11 +192,14 @@ class DiLoCo:
     def stats(self) -> dict:
         """``steps`` (inner), ``syncs``, ``skipped`` (non-finite syncs), ``raw_bytes`` (outer gradients'
         own size, summed over syncs), ``wire_bytes`` (what this rank transmitted since the start),
-        ``ratio``, ``codec_seconds``, ``comm_seconds``."""
+        ``ratio``, ``codec_seconds``, ``comm_seconds``, and the Compressor's ``inter_node_bytes``,
+        ``intra_node_bytes`` and ``topology``."""
         st = self.compressor.stats()
         return {"steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
                 "raw_bytes": st["raw_bytes"], "wire_bytes": st["wire_bytes"], "ratio": st["ratio"],
-                "codec_seconds": st["codec_seconds"], "comm_seconds": st["comm_seconds"]}
+                "codec_seconds": st["codec_seconds"], "comm_seconds": st["comm_seconds"],
+                "inter_node_bytes": st["inter_node_bytes"], "intra_node_bytes": st["intra_node_bytes"],
+                "topology": st["topology"]}
 
     def state_dict(self) -> dict:
         """The anchor, the outer and inner optimizers' state, the residuals and the step counters

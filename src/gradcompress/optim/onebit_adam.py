@@ -80,8 +80,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import topology as topology_mod
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
+from ..exchanges.hierarchical import piece_key, piece_numel
 from ..exchanges.layout import chunk_numel
 from ..spec import make
 
@@ -194,10 +196,18 @@ class CompressedAdam(torch.optim.Optimizer):
             initialised ``torch.distributed`` (and no group given) the optimizer runs as
             a single process; a group of size 1 does the same. A single process sends
             nothing but runs the same code, compression and error feedback included.
+        topology: the Compressor's (:mod:`gradcompress.topology`): ``"auto"`` (default; flat on one
+            machine), ``"flat"``, an ``int`` G or a 2-D ``DeviceMesh``. Hierarchical (2+ nodes of 2+
+            workers): the compressed momenta are reduce-scattered dense inside the node and each worker
+            exchanges its 1/G piece between nodes (warm-up stays a flat dense all-reduce); ``worker_error``
+            is then this rank's piece of the parameter (``ceil(numel / G)`` elements, flat) and
+            ``server_error`` its chunk of that piece among the N nodes. PowerSGD keeps whole tensors
+            (owned by local ranks). Resume with the same topology; a checkpoint whose residuals do not fit
+            the layout restarts them at zero with a warning.
 
     ``state_dict()`` holds, per parameter, ``step``, ``exp_avg``, ``exp_avg_sq`` (frozen
-    after warm-up), ``worker_error`` (the parameter's shape) and ``server_error`` (this
-    rank's chunk, :func:`gradcompress.exchanges.layout.chunk_numel` elements), all float32; so,
+    after warm-up), ``worker_error`` (the parameter's shape; hierarchical: this rank's piece) and
+    ``server_error`` (this rank's chunk, :func:`gradcompress.exchanges.layout.chunk_numel` elements), all float32; so,
     unlike DeepSpeed, a resumed run continues exactly. Loading a ``torch.optim.Adam``
     state dict also works (the error buffers then start at zero). A checkpoint taken
     with another world size has server residuals of another size: they are reset to
@@ -205,13 +215,15 @@ class CompressedAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC):
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC,
+                 topology="auto"):
         who = type(self).__name__
+        topology_mod.check(topology, "none")
         _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
         self.codec = _check_codec(codec, who)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=int(warmup_steps))
         super().__init__(params, defaults)
-        self.process_group = process_group
+        self.process_group, self.topology = process_group, topology
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -227,6 +239,8 @@ class CompressedAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         if not hasattr(self, "process_group"):
             self.process_group = None
+        if not hasattr(self, "topology"):
+            self.topology = "auto"
         if not hasattr(self, "_counters"):
             self._init_runtime()
 
@@ -257,9 +271,11 @@ class CompressedAdam(torch.optim.Optimizer):
         summed over steps; ``wire_bytes``: bytes this rank transmitted, counted as ring
         algorithms send them (:class:`gradcompress.collectives.Collectives`; 0 in a single
         process); ``ratio``: raw / wire; ``comm_seconds``: time waiting on collectives;
-        ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update).
+        ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update);
+        ``inter_node_bytes`` / ``intra_node_bytes`` / ``topology``: the Compressor's (:meth:`Compressor.stats`).
         """
-        exchanged = self._compressor.stats() if self._compressor else {"wire_bytes": 0, "comm_seconds": 0.0}
+        exchanged = self._compressor.stats() if self._compressor else {
+            "wire_bytes": 0, "comm_seconds": 0.0, "inter_node_bytes": 0, "intra_node_bytes": 0, "topology": None}
         wire, comm_s = exchanged["wire_bytes"], exchanged["comm_seconds"]
         raw = self._counters["raw_bytes"]
         return {
@@ -271,6 +287,9 @@ class CompressedAdam(torch.optim.Optimizer):
             "ratio": raw / wire if wire else float("inf") if raw else 1.0,
             "comm_seconds": comm_s,
             "codec_seconds": max(0.0, self._counters["seconds"] - comm_s),
+            "inter_node_bytes": exchanged["inter_node_bytes"],
+            "intra_node_bytes": exchanged["intra_node_bytes"],
+            "topology": exchanged["topology"],
         }
 
     def bytes_sent(self) -> int:
@@ -394,7 +413,7 @@ class CompressedAdam(torch.optim.Optimizer):
                                    "initialised")
             feedback = self.codec.wants_error_feedback
             self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
-                                          server_error_feedback=feedback, min_numel=0)
+                                          server_error_feedback=feedback, min_numel=0, topology=self.topology)
             slots = self._compressor.state.slots
             slots.update({slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
             # without torch.distributed: the documented single process (the same code, nothing sent)
@@ -413,15 +432,44 @@ class CompressedAdam(torch.optim.Optimizer):
                           f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
         return f"{self.codec.spec}; " + "; ".join(groups)
 
+    def _pieces(self):
+        """(G, this rank's local rank, N) when the exchange cuts parameters into 1/G pieces (hierarchical, not
+        PowerSGD's whole tensors), else None. Known once the compressor has opened its first step."""
+        h = self._compressor.hierarchy if self._compressor is not None else None
+        if h is None or h.owners:
+            return None
+        return h.topology.workers_per_node, h.topology.local_rank, h.topology.nodes
+
+    def _slot_key(self, key: int):
+        """The Compressor's state key of parameter ``key``: the position, or its piece (``"3:0/2"``)."""
+        pieces = self._pieces()
+        return key if pieces is None else piece_key(key, pieces[1], pieces[0])
+
+    def _residual_sizes(self, p: torch.Tensor, world: int) -> tuple[tuple, int]:
+        """(the worker residual's shape, the server residual's numel) of ``p`` under this layout."""
+        pieces = self._pieces()
+        if pieces is None:
+            return tuple(p.shape), chunk_numel(p.numel(), world)
+        piece = piece_numel(p.numel(), pieces[0])
+        return (piece,), chunk_numel(piece, pieces[2])
+
     def _state_of(self, p: torch.Tensor, world: int) -> dict:
         """The parameter's state, created (or completed, after loading a torch Adam state) on first use."""
         state = self.state[p]
-        chunk = chunk_numel(p.numel(), world)
+        shape, chunk = self._residual_sizes(p, world)
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in ("exp_avg", "exp_avg_sq", "worker_error"):
+        for key in ("exp_avg", "exp_avg_sq"):
             if key not in state:
                 state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        worker = state.get("worker_error")
+        if worker is None or tuple(worker.shape) != shape:
+            if worker is not None:  # another layout: its server residual is a chunk of another cut too
+                warnings.warn(f"{type(self).__name__}: a worker residual of shape {tuple(worker.shape)} does not fit "
+                              f"this layout's {shape} (checkpoint from another topology?); it and the server "
+                              "residual restart at zero", stacklevel=3)
+                state.pop("server_error", None)
+            state["worker_error"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         server = state.get("server_error")
         if server is None or server.numel() != chunk:
             if server is not None:
@@ -484,19 +532,32 @@ def _floor_frozen_variance(v: torch.Tensor) -> None:
         v.copy_(torch.where(positive, v.clamp(min=float(floor)), v))
 
 
+def _position(key) -> int | None:
+    """The parameter position of a Compressor state key: an int, or a piece key ``"<position>:<j>/<G>"``."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    head, sep, tail = str(key).partition(":")
+    return int(head) if sep and head.isdigit() and tail else None
+
+
 class _ParamState(MutableMapping):
     """One state slot of the Compressor (worker or server residual, PowerSGD's factors) seen through the
     optimizer's per-parameter state entry ``name``: key = the parameter's position among the optimizer's
-    parameters. The optimizer's state is the only owner (checkpoints hold it); the step's commit writes there."""
+    parameters, or under a hierarchical topology this rank's piece of it (``"3:0/2"``: the entry then holds the
+    piece's residual). The optimizer's state is the only owner (checkpoints hold it); the step's commit writes
+    there."""
 
     def __init__(self, optimizer: "CompressedAdam", name: str):
         self.optimizer, self.name = optimizer, name
 
     def _param(self, key):
         params = self.optimizer._by_key
-        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+        position = _position(key)
+        if position is None or not 0 <= position < len(params) or self.optimizer._slot_key(position) != key:
             raise KeyError(key)
-        return params[key]
+        return params[position]
 
     def __getitem__(self, key):
         state = self.optimizer.state.get(self._param(key))
@@ -513,7 +574,7 @@ class _ParamState(MutableMapping):
     def __iter__(self):
         for key, p in enumerate(self.optimizer._by_key):
             if self.name in self.optimizer.state.get(p, {}):
-                yield key
+                yield self.optimizer._slot_key(key)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -526,9 +587,9 @@ class OneBitAdam(CompressedAdam):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None):
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, topology="auto"):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         process_group=process_group, codec=CODEC_SPEC)
+                         process_group=process_group, codec=CODEC_SPEC, topology=topology)
 
 
 __all__ = ["CompressedAdam", "OneBitAdam"]
