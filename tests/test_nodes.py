@@ -156,6 +156,12 @@ def test_inter_node_bytes_equal_the_payload_arithmetic(nodes):
         assert flat["inter_node_bytes"] == flat["wire_bytes"] > 2.9 * STEPS * inter
 
 
+def _assert_same_grads(a_steps, b_steps) -> None:
+    """Every step's gradients bit for bit the same."""
+    for a, b in zip(a_steps, b_steps):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_auto_on_one_node_stays_flat_bit_for_bit(nodes):
     world, _, results = nodes
     if world != 4:
@@ -165,8 +171,7 @@ def test_auto_on_one_node_stays_flat_bit_for_bit(nodes):
         assert auto["stats"]["topology"] == {"nodes": 1, "workers_per_node": 4, "kind": "flat"}
         assert auto["stats"]["intra_node_bytes"] == auto["stats"]["wire_bytes"] == flat["stats"]["wire_bytes"]
         assert auto["stats"]["inter_node_bytes"] == 0
-        for a, b in zip(auto["grads"], flat["grads"]):
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        _assert_same_grads(auto["grads"], flat["grads"])
         assert "topology" not in auto["states"][-1]  # a flat state is today's, key for key
 
 
@@ -177,8 +182,7 @@ def test_auto_from_torchrun_variables_goes_hierarchical(nodes):
     for rank in range(world):
         env, explicit = results[rank]["int8 torchrun"], results[rank]["int8"]
         assert env["stats"]["topology"] == {"nodes": 2, "workers_per_node": 2, "kind": "hierarchical"}
-        for a, b in zip(env["grads"], explicit["grads"]):
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        _assert_same_grads(env["grads"], explicit["grads"])
 
 
 @pytest.mark.parametrize("spec", ["int8", "randomk:ratio=0.1"])
