@@ -203,7 +203,7 @@ class Compressor:
         self._nodes: list | None = None
         self._saved_topology: str | None = None  # a loaded state's topology, until compared with the group's
         self._key_of: dict[int, int] = {}
-        self._totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0}
+        self._totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0, "param_bytes": 0}
 
     def _momentum_stage(self) -> tuple[MomentumCorrection | None, float]:
         """Momentum correction and clipping from the Compressor's ``momentum`` or the codec's own options."""
@@ -401,7 +401,9 @@ class Compressor:
         (flat: all of it between nodes, unless the group is known to be one node; hierarchical: the collectives
         between nodes, and those of dense groups, which stay flat, count between);
         ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and ``kind`` (``"flat"`` or
-        ``"hierarchical"``).
+        ``"hierarchical"``); ``param_bytes``: bytes sent by FSDP's compressed parameter all-gathers
+        (``register_fsdp(..., params=...)``; 0 otherwise: FSDP's own all-gathers are not counted), apart from
+        ``wire_bytes``.
         """
         inter, intra, monitor = self._bytes()
         wire, raw = inter + intra, self._totals["raw_bytes"]
@@ -418,7 +420,13 @@ class Compressor:
             "inter_node_bytes": inter,
             "intra_node_bytes": intra,
             "topology": self._topology_stats(),
+            "param_bytes": self._totals["param_bytes"],
         }
+
+    def count_param_bytes(self, sent: int) -> None:
+        """Add bytes this rank sent in compressed parameter all-gathers (FSDP's ``params=``) to
+        ``stats()["param_bytes"]``."""
+        self._totals["param_bytes"] += int(sent)
 
     def _bytes(self) -> tuple[int, int, int]:
         """(bytes sent between nodes, inside a node, telemetry's), see :meth:`stats`."""

@@ -42,6 +42,7 @@ from .exchanges.context import Context, all_finite, key_number, mix_seed
 from .exchanges.dense import DenseExchange
 from .exchanges.grouped import GroupExchange, algebra_exchange
 from .exchanges.reduce_scatter import HierarchicalReduceScatter, ReduceScatterExchange
+from .exchanges.replicas import ReplicaExchange
 from .monitor import StepMonitor
 from .schedule import codec_at
 
@@ -158,12 +159,32 @@ class Step:
 
         return self._timed(job())
 
+    def all_reduce_shard(self, key: Hashable, shard: torch.Tensor) -> Job:
+        """HSDP's replica all-reduce, compressed, as a job (:mod:`gradcompress.exchanges.replicas`): ``shard``, this
+        worker's shard already reduced inside its node, becomes its mean over the replicas, in place. On a
+        hierarchical topology (``Topology.of_groups(shard_group, replicate_group)``) the codec's exchange runs on
+        the replicate group and a finiteness flag inside the node; flat (one worker per node) it is :meth:`exchange`."""
+        self._require_open()
+        c = self.compressor
+        if c.hierarchy is None:
+            return self.exchange([key], [shard.view(-1)])
+
+        def job() -> Job:
+            self.raw_bytes += shard.numel() * shard.element_size()
+            between = c.hierarchy.between(self.codec, self._aggregation(self.codec), c.seed)
+            yield from ReplicaExchange(c.hierarchy.intra, between).job(self.ctx, key, shard)
+
+        return self._timed(job())
+
+    def _aggregation(self, codec: Codec | None) -> Aggregation | None:
+        gathered = self.compressor.collective == "allgather"
+        return None if codec is None else Aggregation.GATHER if gathered else codec.aggregation
+
     def _group_job(self, keys, grads, buffer, force_dense: bool) -> Job:
         self.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
         codec = None if force_dense else self.codec
         ctx, c = self.ctx, self.compressor
-        gathered = c.collective == "allgather"
-        aggregation = None if codec is None else Aggregation.GATHER if gathered else codec.aggregation
+        aggregation = self._aggregation(codec)
         if c.hierarchy is not None and not force_dense:  # dense inside each node, the codec's exchange between
             yield from c.hierarchy.exchange(codec, aggregation, c.seed, c.min_numel).job(ctx, keys, grads)
             return

@@ -8,7 +8,9 @@
   the first step) and every rank derives the same layout from the same list;
 * ``"flat"``: no layout, today's exchange;
 * an ``int`` G: the group's ranks in consecutive blocks of G per node (G must divide the group's size);
-* a 2-D ``DeviceMesh``: dim 0 between nodes, dim 1 inside a node.
+* a 2-D ``DeviceMesh``: dim 0 between nodes, dim 1 inside a node;
+* a :class:`Topology` built from two process groups (:meth:`Topology.of_groups`: HSDP's shard group inside the
+  node, its replicate group between), as ``register_fsdp(..., replicate_group=...)`` does.
 
 :func:`resolve` returns a :class:`Topology` (with the intra-node group of this rank's node and the inter-node group
 of the workers with this rank's local rank on every node) when the group spans 2 or more nodes of 2 or more of its
@@ -47,6 +49,8 @@ def check(topology, intra_node: str) -> None:
         return
     if _is_mesh(topology) and topology.ndim == 2:
         return
+    if isinstance(topology, Topology):
+        return
     raise ValueError(f"Compressor: topology must be 'auto', 'flat', an integer >= 1 (workers per node) or a 2-D "
                      f"DeviceMesh (dim 0 between nodes, dim 1 inside a node), got {topology!r}")
 
@@ -55,6 +59,8 @@ def describe(topology) -> str:
     """The option as one word, for the configuration check across ranks."""
     if _is_mesh(topology):
         return f"mesh{tuple(topology.mesh.shape)}"
+    if isinstance(topology, Topology):
+        return f"groups{topology.text}"
     return str(topology)
 
 
@@ -75,6 +81,18 @@ class Topology:
     def text(self) -> str:
         """``"NxG"``, as the state records it."""
         return f"{self.nodes}x{self.workers_per_node}"
+
+    @classmethod
+    def of_groups(cls, intra, inter) -> "Topology":
+        """The layout of two process groups: ``intra`` this rank's node (e.g. HSDP's shard group), ``inter`` the
+        workers with this rank's local rank on every node (HSDP's replicate group)."""
+        return cls(dist.get_world_size(inter), dist.get_world_size(intra), dist.get_rank(inter),
+                   dist.get_rank(intra), intra, inter)
+
+    def members(self) -> list[list[int]]:
+        """Ranks per node in the world group the two groups span (rank = node * G + local rank)."""
+        g = self.workers_per_node
+        return [list(range(n * g, (n + 1) * g)) for n in range(self.nodes)]
 
 
 def node_key() -> str:
@@ -126,6 +144,8 @@ def nodes_of(topology, group, keys: Sequence[str] | None = None) -> list[list[in
     (``"auto"``; gathered here when not given)."""
     if topology == "flat":
         return None
+    if isinstance(topology, Topology):
+        return topology.members()
     world = dist.get_world_size(group)
     if _is_mesh(topology):
         n, g = topology.mesh.shape
@@ -148,6 +168,8 @@ def build(topology, members: list[list[int]] | None, group) -> Topology | None:
     or None when it is not hierarchical (fewer than 2 nodes, or fewer than 2 workers per node)."""
     if members is None or len(members) < 2 or len(members[0]) < 2:
         return None
+    if isinstance(topology, Topology):
+        return topology
     me = dist.get_rank(group)
     node = next(i for i, ranks in enumerate(members) if me in ranks)
     local = members[node].index(me)

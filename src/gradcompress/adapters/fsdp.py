@@ -23,9 +23,19 @@ the FSDP module's name in ``model`` (``named_modules``), the same on every rank 
 every run of the same model.
 
 Codecs: every codec but ``powersgd``, which needs each parameter's whole matrix where
-FSDP hands over flat dim-0 shards; it is refused at registration. HSDP (a 2-D mesh with
-replication): only the reduce-scatter is compressed, the replicas' all-reduce of the
-reduced shards stays dense (FSDP issues it itself).
+FSDP hands over flat dim-0 shards; it is refused at registration.
+
+HSDP, compressed (``register_fsdp(model, spec, replicate_group=group)`` or ``mesh=`` a 2-D mesh): the model is
+sharded with ``fully_shard`` over the node's own 1-D mesh (``mesh["shard"]``) and ``group`` is the process group
+of the same shard on every node (``mesh.get_group("replicate")``). FSDP's reduce-scatter inside the node stays its
+own (dense, or its ``reduce_dtype``); the all-reduce of each shard across the replicas — the slow link — is the
+codec's (:class:`ReplicaAllReduce` on ``set_all_reduce_hook``, :mod:`gradcompress.exchanges.replicas`), with worker
+error feedback on the shard (the residual is 1/G of a gradient) and server error feedback where the codec
+re-quantises. A model sharded natively over a 2-D mesh is refused with the recipe: FSDP's own dense all-reduce of
+the replicas would run first, and ``set_requires_all_reduce(False)`` would skip the hook too.
+
+Parameters (``params="int8"`` or ``"bf16"``, default None: exact): the all-gathers of the parameters go through
+:class:`gradcompress.adapters.fsdp_params.CompressedAllGather`; ``stats()["param_bytes"]`` counts them.
 
 Several nodes (``register_fsdp(model, spec, topology=G)``, or ``"auto"`` under torchrun): when the reduce-scatter's
 group spans 2 or more nodes of 2 or more workers each, it is dense inside the node and compressed between
@@ -40,6 +50,10 @@ import torch.distributed as dist
 
 from ..codecs.base import Aggregation
 from ..compressor import FSDP_KEY_PREFIX, Compressor
+from ..topology import Topology
+from .fsdp_params import CompressedAllGather, param_codec
+
+from torch.distributed.tensor import DTensor
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -80,17 +94,38 @@ class CompressedReduceScatter(ReduceScatter):
         comp = self.compressor
         if comp.process_group is None:
             comp.process_group = group
-        step = comp.current_step
-        end_now = False
-        if step is None:
-            step = comp.begin_step()
-            end_now = not _end_after_backward(step)
+        step, end_now = _backward_step(comp)
         with step.guarded(end=end_now):
             if dist.get_world_size(group) != step.comm.world:
                 raise ValueError("gradcompress FSDP: the reduce-scatter group differs from the Compressor's "
                                  "process group")
             step.drive([step.reduce_scatter(self.key, input_tensor, output_tensor, _scale(op, step.comm.world))])
         return None
+
+
+class ReplicaAllReduce:
+    """FSDP2's all-reduce hook (``set_all_reduce_hook``) of a model sharded over its node: the reduce-scatter's
+    output (this rank's shard, the node's mean) becomes its mean over the replicas, through a Compressor step on
+    the replicate group (:meth:`gradcompress.step.Step.all_reduce_shard`)."""
+
+    def __init__(self, compressor: Compressor, key: str):
+        self.compressor = compressor
+        self.key = key
+
+    def __call__(self, output: torch.Tensor) -> None:
+        step, end_now = _backward_step(self.compressor)
+        with step.guarded(end=end_now):
+            step.drive([step.all_reduce_shard(self.key, output)])
+
+
+def _backward_step(comp: Compressor):
+    """(the compressor's step of this backward pass, True if the caller must end it itself): the open step, or a
+    new one that ends when autograd finishes the backward."""
+    step = comp.current_step
+    if step is not None:
+        return step, False
+    step = comp.begin_step()
+    return step, not _end_after_backward(step)
 
 
 def _end_after_backward(step) -> bool:
@@ -131,7 +166,8 @@ def _fsdp_modules(model) -> list:
     return modules
 
 
-def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
+def register_fsdp(model: torch.nn.Module, spec, *, replicate_group=None, mesh=None, params=None,
+                  **options) -> Compressor:
     """One line for FSDP2: ``compressor = gradcompress.register_fsdp(model, "int8")``.
 
     Installs a compressed reduce-scatter on every FSDP module inside ``model`` (``model``
@@ -140,18 +176,77 @@ def register_fsdp(model: torch.nn.Module, spec, **options) -> Compressor:
     ``options`` are the Compressor's (``error_feedback="auto"``, ``momentum``,
     ``warmup_steps``, ``seed``, ``residual_dtype``, ...) except ``min_numel``, which does not
     apply (a group's buffer is compressed whole) and is refused.
+
+    ``replicate_group``: HSDP, compressed (module doc): ``model`` sharded over its node's 1-D mesh, ``group`` the
+    process group of the same shard on every node; FSDP's reduce-scatter stays its own and the replicas' all-reduce
+    is compressed. ``mesh``: the same from a 2-D ``DeviceMesh`` (dim 0 replicate, dim 1 shard; the model sharded
+    over ``mesh[1]``). ``params``: ``"int8"`` or ``"bf16"`` compresses the parameters' all-gathers
+    (:mod:`gradcompress.adapters.fsdp_params`: the sharded parameters stay exact); None (default) leaves them exact.
     """
     if FSDPModule is None:
         raise RuntimeError("gradcompress.register_fsdp needs torch.distributed.fsdp.fully_shard (FSDP2)")
     if "min_numel" in options:
         raise ValueError("gradcompress FSDP: min_numel does not apply: FSDP hands over each parameter group's "
                          "gradients as one flat buffer, which is compressed whole")
+    gather_codec = param_codec(params)
     modules = _fsdp_modules(model)
+    groups = _hsdp_groups(model, replicate_group, mesh, options)
+    if groups is not None:
+        options = {**options, "process_group": groups[1], "topology": Topology.of_groups(*groups)}
     compressor = Compressor(spec, **options)
     check_codec(compressor.codec)
     for name, module in modules:
-        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, f"{FSDP_KEY_PREFIX}{name}"))
+        key = f"{FSDP_KEY_PREFIX}{name}"
+        if groups is None:
+            module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, key))
+        else:
+            module.set_all_reduce_hook(ReplicaAllReduce(compressor, key))
+        if gather_codec is not None:
+            module.set_custom_all_gather(CompressedAllGather(gather_codec, compressor.count_param_bytes))
     return compressor
 
 
-__all__ = ["CompressedReduceScatter", "NotShardedError", "check_codec", "register_fsdp"]
+def _mesh_of(model):
+    """The DeviceMesh ``model``'s parameters are sharded over."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):  # every parameter fully_shard manages
+            return p.device_mesh
+    raise NotShardedError("gradcompress FSDP: the model has no sharded parameters")
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def _hsdp_groups(model, replicate_group, mesh, options):
+    """(shard group, replicate group) of compressed HSDP, or None without ``replicate_group``/``mesh``;
+    ``ValueError`` naming the fix for a layout it cannot compress."""
+    if replicate_group is None and mesh is None:
+        return None
+    if replicate_group is not None and mesh is not None:
+        raise ValueError("gradcompress FSDP: pass replicate_group= or mesh=, not both")
+    for name in ("topology", "process_group"):
+        if name in options:
+            raise ValueError(f"gradcompress FSDP: {name}= does not combine with HSDP's replicate_group=/mesh=, "
+                             "which give the layout (shard group inside the node, replicate group between)")
+    own = _mesh_of(model)
+    if own.ndim != 1:
+        raise ValueError(
+            "gradcompress FSDP: the model is sharded over a 2-D mesh (FSDP's native HSDP), whose replica all-reduce "
+            "FSDP runs itself, dense; to compress it, shard over the node's mesh and pass the 2-D mesh here: "
+            "fully_shard(..., mesh=mesh['shard']); gradcompress.register_fsdp(model, spec, mesh=mesh)")
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ValueError(f"gradcompress FSDP: mesh= must be a 2-D DeviceMesh (replicate, shard), got {mesh.ndim}-D")
+        replicate_group = mesh.get_group(0)
+        if _ranks(mesh.get_group(1)) != _ranks(own.get_group()):
+            raise ValueError("gradcompress FSDP: the model is not sharded over mesh= 's shard dimension (dim 1); "
+                             "shard it with fully_shard(..., mesh=mesh['shard'])")
+    shard_group = own.get_group()
+    if set(_ranks(shard_group)) & set(_ranks(replicate_group)) != {dist.get_rank()}:
+        raise ValueError("gradcompress FSDP: replicate_group must hold this rank and, of its shard group (the mesh "
+                         "the model is sharded over), only this rank: the same shard on every node")
+    return shard_group, replicate_group
+
+
+__all__ = ["CompressedReduceScatter", "NotShardedError", "ReplicaAllReduce", "check_codec", "register_fsdp"]

@@ -87,11 +87,13 @@ class Hierarchy:
             inner = _Dense(self.inter) if dense else GroupExchange(
                 self.inter, codec, LowRankExchange(self.inter, codec, seed), min_numel)
             return OwnerExchange(self.intra, inner, self.cast, self.assigned)
-        if dense:
-            inner = _Dense(self.inter)
-        else:
-            inner = GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, aggregation, seed), 0)
-        return HierarchicalExchange(self.intra, inner, self.cast, min_numel)
+        return HierarchicalExchange(self.intra, self.between(codec, aggregation, seed), self.cast, min_numel)
+
+    def between(self, codec: Codec | None, aggregation: Aggregation | None, seed: int):
+        """The exchange between nodes alone (on ``inter``): the codec's, or dense for None or an exact codec."""
+        if codec is None or codec.exact:
+            return _Dense(self.inter)
+        return GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, aggregation, seed), 0)
 
 
 class HierarchicalExchange:
