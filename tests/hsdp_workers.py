@@ -49,13 +49,7 @@ def fixed_batch_runs(rank, world, schemes, steps):
     """Per scheme: the sharded gradients of ``steps`` backward passes on the same batch (no update), stats and
     residuals; plus the exact average over all 4 ranks of the full gradients, cut as this rank's shard."""
     x, y = batch(rank, 0)
-    local = make_model()
-    nn.functional.cross_entropy(local(x), y).backward()
-    full = [p.grad.clone() for p in local.parameters()]
-    for g in full:
-        dist.all_reduce(g)
-        g.div_(world)
-    out = {"exact_full": full}
+    out = {"everyone": everyone_full_grads(rank, world)}
     for scheme in schemes:
         model, comp, _ = hsdp_model(None if scheme == "native" else scheme, native=scheme == "native")
         grads = []
@@ -66,5 +60,112 @@ def fixed_batch_runs(rank, world, schemes, steps):
         out[scheme] = {"grads": grads, "stats": comp.stats() if comp else None,
                        "residual": {k: v.clone() for k, v in comp.residual.items()} if comp else None,
                        "server": {k: v.clone() for k, v in comp.server_residual.items()} if comp else None}
-    out["exact"] = [p.to_local().detach().clone() * 0 for p in model.parameters()]  # shapes of the shards
     return out
+
+
+def everyone_full_grads(rank, world):
+    """Every rank's full local gradient of batch (rank, 0), in rank order."""
+    x, y = batch(rank, 0)
+    local = make_model()
+    nn.functional.cross_entropy(local(x), y).backward()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [p.grad for p in local.parameters()])
+    return everyone
+
+
+def same_shard_peers_equal(tensors, rank) -> bool:
+    """Every rank's ``tensors`` gathered: True when they equal those of every rank holding the same shard."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tensors)
+    peers = [r for r in range(len(everyone)) if r % PER_NODE == rank % PER_NODE]
+    return all(all(torch.equal(a, b) for a, b in zip(everyone[peers[0]], everyone[r])) for r in peers)
+
+
+def training_runs(rank, world, scheme, steps, poison_step=None, cut=None):
+    """SGD on each rank's own batches under compressed HSDP. Per step: the sharded gradients, whether they were
+    finite, whether the ranks holding the same shard hold equal parameters after the step. ``poison_step``: rank
+    ``world - 1``'s loss times Inf there (GradScaler skips it). ``cut``: a fresh compressor loads the state_dict
+    there (weights_only)."""
+    model, comp, mesh = hsdp_model(scheme)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    out = {"grads": [], "finite": [], "replicas_equal": [], "unchanged": None}
+    for step in range(steps):
+        if step == cut:
+            torch.save(comp.state_dict(), f"/tmp/gc-hsdp-{rank}.pt")
+            codec, options = split_scheme(scheme)
+            comp = gradcompress.register_fsdp(model, codec, mesh=mesh, **options)
+            comp.load_state_dict(torch.load(f"/tmp/gc-hsdp-{rank}.pt", weights_only=True))
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        before = comp.state_dict()
+        loss = nn.functional.cross_entropy(model(x), y)
+        poisoned = step == poison_step and rank == world - 1
+        (scaler.scale(loss) * (float("inf") if poisoned else 1.0)).backward()
+        out["grads"].append(local_grads(model))
+        out["finite"].append(all(bool(torch.isfinite(g).all()) for g in out["grads"][-1]))
+        if step == poison_step:
+            after = comp.state_dict()
+            out["unchanged"] = before["step"] == after["step"] and all(
+                torch.equal(before[s][k], after[s][k]) for s in ("residual", "server_residual") for k in before[s])
+        scaler.step(opt)
+        scaler.update()
+        out["replicas_equal"].append(same_shard_peers_equal([p.to_local().detach() for p in model.parameters()],
+                                                            rank))
+    out["stats"] = comp.stats()
+    return out
+
+
+def training_variants(rank, world, scheme, steps, poison_step, cut):
+    """:func:`training_runs` three ways in one launch: straight, resumed at ``cut``, poisoned at ``poison_step``."""
+    return {"full": training_runs(rank, world, scheme, steps), "resumed": training_runs(rank, world, scheme, steps,
+            cut=cut), "poisoned": training_runs(rank, world, scheme, steps, poison_step=poison_step)}
+
+
+def flat_model(params, scheme="none"):
+    """The tests' MLP sharded over all ranks (plain FSDP), gradients through ``scheme``, parameters per ``params``."""
+    model = make_model(0)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, gradcompress.register_fsdp(model, scheme, params=params)
+
+
+def fixed_grad(shape, step: int, index: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(shape, generator=gen)
+
+
+def params_runs(rank, world, params, steps):
+    """Plain FSDP over every rank, exact gradients replaced by fixed ones before each update: per step the exact
+    full parameters and the unsharded ones the layers computed with, and the sharded parameters after it."""
+    model, comp = flat_model(params)
+    seen = []
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(lambda m, i: seen.append([m.weight.detach().clone(), m.bias.detach().clone()]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = {"exact": [], "used": [], "sharded": [], "loss": []}
+    for step in range(steps):
+        out["exact"].append([p.full_tensor().detach().clone() for p in model.parameters()])
+        seen.clear()
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        out["loss"].append(float(loss.detach()))
+        out["used"].append([t for pair in seen for t in pair])
+        for i, p in enumerate(model.parameters()):
+            full = fixed_grad(p.shape, step, i)
+            rows = -(-p.shape[0] // world)
+            p.grad.to_local().copy_(full[rank * rows : (rank + 1) * rows])
+        opt.step()
+        out["sharded"].append([p.to_local().detach().clone() for p in model.parameters()])
+    out["stats"] = comp.stats()
+    return out
+
+
+def params_variants(rank, world, variants, steps):
+    """:func:`params_runs` for each ``params=`` value in one launch, keyed by ``str(value)``."""
+    return {str(p): params_runs(rank, world, p, steps) for p in variants}
