@@ -71,6 +71,8 @@ class RunConfig:
     task: str = "digits"
     monitor_every: int = 0  # Compressor telemetry (the demo plots it)
     fsdp: bool = False
+    hsdp: int = 0  # with fsdp, > 0: HSDP over nodes of this many workers (replica all-reduce compressed)
+    params: str | None = None  # with fsdp: register_fsdp's params= ("int8", "bf16": the parameter all-gather)
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
     adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
     topology: Any = "auto"  # the Compressor's / optimizer's topology= (an int G: nodes of G workers)
@@ -269,6 +271,29 @@ def evaluate(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[float, fl
 
 
 # --------------------------------------------------------------------------- one run
+def fsdp_setup(task, model, cfg: RunConfig, codec, options: dict, world: int, device: torch.device):
+    """``fully_shard`` every shard unit and the root, then ``register_fsdp``: over all ranks, or with ``cfg.hsdp``
+    = G over each node of G ranks (ranks in blocks of G), the replicas' all-reduce compressed; ``cfg.params``
+    compresses the parameter all-gathers. Returns the Compressor."""
+    import gradcompress
+    from torch.distributed.fsdp import fully_shard
+
+    options = {k: v for k, v in options.items() if k not in ("min_numel", "monitor_every")}
+    kw, mesh = {}, None
+    if cfg.hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world % cfg.hsdp:
+            raise CLIError(f"--hsdp: {cfg.hsdp} workers per node do not divide the {world} workers")
+        mesh = init_device_mesh(device.type, (world // cfg.hsdp, cfg.hsdp), mesh_dim_names=("replicate", "shard"))
+        kw = {"mesh": mesh["shard"]}
+        options.pop("topology", None)
+    for unit in task.shard_units(model):
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw)
+    return gradcompress.register_fsdp(model, codec, mesh=mesh, params=cfg.params, **options)
+
+
 def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device,
               progress=None, index: int = 0) -> dict[str, Any]:
     """Train one scheme on this rank (the process group must be initialised); return this rank's record.
@@ -304,17 +329,10 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             opt = DiLoCo(model, inner, sync_every=cfg.diloco, codec=codec, seed=cfg.seed,
                          error_feedback=options["error_feedback"])
             comp = opt.compressor
-        elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter compressed
-            from torch.distributed.fsdp import fully_shard
-
-            for unit in task.shard_units(model):
-                fully_shard(unit)
-            fully_shard(model)
+        elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter (HSDP: replicas') compressed
+            comp = fsdp_setup(task, model, cfg, codec, options, world, device)
             inner = task.optimizer(model.parameters(), cfg)  # over the sharded (DTensor) parameters
             net, opt = model, inner
-            options.pop("min_numel")
-            options.pop("monitor_every")
-            comp = gradcompress.register_fsdp(model, codec, **options)
         else:
             opt = inner
             comp = gradcompress.register_ddp_hook(net, codec, **options)
@@ -335,7 +353,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         step_times.append(time.perf_counter() - start)
         losses.append(value)
         st = stats_of()
-        cum_bytes.append(st.get("wire_bytes") if st else None)
+        cum_bytes.append(None if not st or st.get("wire_bytes") is None else st["wire_bytes"] + st.get("param_bytes", 0))
         if not math.isfinite(value):
             raise FloatingPointError(f"{cfg.scheme}: the training loss became {value} at step {step}; "
                                      "lower --lr or change the scheme's options")

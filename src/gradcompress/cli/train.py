@@ -60,6 +60,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="shard the model with FSDP2 (fully_shard per layer and on the root) and compress its "
                         "reduce-scatter (gradcompress.register_fsdp) instead of DDP's all-reduce")
+    p.add_argument("--hsdp", action="store_true",
+                   help="with --fsdp: HSDP, sharded inside each node of --workers-per-node workers and replicated "
+                        "across nodes; the replicas' all-reduce goes through the codec (register_fsdp(..., mesh=))")
+    p.add_argument("--workers-per-node", type=positive_int, default=2, metavar="G",
+                   help="with --hsdp: workers per node, ranks in consecutive blocks (default 2)")
+    p.add_argument("--params", choices=("int8", "bf16"), default=None,
+                   help="with --fsdp: compress the parameter all-gathers (int8 blocks of 2048 values, or bf16); "
+                        "the sharded parameters stay exact (default: exact all-gathers)")
     p.add_argument("--out", default=None, help="folder for results.json (default: write nothing)")
     p.set_defaults(run=run)
     return p
@@ -83,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.diloco and (args.fsdp or is_adam_scheme(args.codec)):
         raise CLIError("--diloco takes a codec for the outer gradient; it does not combine with --fsdp, onebitadam "
                        "or compressed_adam=true")
+    if (args.hsdp or args.params) and not args.fsdp:
+        raise CLIError("--hsdp and --params apply to --fsdp runs; add --fsdp")
     if args.fsdp:
         from ..adapters.fsdp import check_codec
 
@@ -98,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = RunConfig(scheme=scheme, steps=args.steps, batch_size=batch_size, lr=args.lr,
                     warmup_steps=warmup, seed=args.seed,
                     error_feedback="auto" if args.error_feedback is None else args.error_feedback, fsdp=args.fsdp,
+                    hsdp=args.workers_per_node if args.hsdp else 0, params=args.params,
                     diloco=args.diloco or 0, task=args.task, adam_warmup=adam_warmup)
 
     if under_torchrun():
@@ -111,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
     summary = summarize(records, cfg, world)
     ratio = summary["ratio"]
-    mode = " (FSDP)" if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
+    mode = (f" (HSDP, nodes of {cfg.hsdp})" if cfg.hsdp else " (FSDP)") + \
+        (f", params {cfg.params}" if cfg.params else "") if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
     metric = (f"validation loss {summary['val_loss']:.4f}" if args.task == "lm" else
               f"test accuracy {summary['test_accuracy']:.2f}%")
     print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, {metric}, "
