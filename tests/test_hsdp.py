@@ -11,6 +11,7 @@ import torch
 import hsdp_workers as hw
 from fsdp_workers import shard_rows
 from gradcompress import launch, make
+from gradcompress.cli import task
 from gradcompress.adapters.fsdp_params import PARAM_BLOCK
 
 TIMEOUT = 300
@@ -187,3 +188,21 @@ def test_params_none_is_unchanged_and_param_bytes_are_the_payloads(params_runs):
     for r in params_runs["int8"]:
         assert r["stats"]["param_bytes"] == expected
         assert expected <= 0.26 * dense
+
+
+HSDP_DIGITS = [("none", None), ("int8", None), ("int4", None), ("topk:ratio=0.01", None), ("int8", "int8")]
+
+
+def test_digits_as_two_nodes_of_two_with_hsdp():
+    """SGD lr 0.1, momentum 0.9, library defaults otherwise; 200 steps: int8, int4, top-k 1 % and int8 with int8
+    parameters within 2 points of dense HSDP."""
+    data = task.load_data(seed=0)
+    configs = [task.RunConfig(scheme=s, steps=200, lr=0.1, momentum=0.9, warmup_steps=0, fsdp=True, hsdp=2,
+                              params=p) for s, p in HSDP_DIGITS]
+    records = launch.run(task.demo_worker, WORLD, data, configs, timeout=900)
+    acc = {(c.scheme, c.params): task.summarize([r[i] for r in records], c, WORLD)["test_accuracy"]
+           for i, c in enumerate(configs)}
+    dense = acc["none", None]
+    assert dense > 90, acc
+    for key in HSDP_DIGITS[1:]:
+        assert acc[key] >= dense - 2.0, acc

@@ -353,7 +353,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         step_times.append(time.perf_counter() - start)
         losses.append(value)
         st = stats_of()
-        cum_bytes.append(None if not st or st.get("wire_bytes") is None else st["wire_bytes"] + st.get("param_bytes", 0))
+        cum_bytes.append(st.get("wire_bytes") if st else None)
         if not math.isfinite(value):
             raise FloatingPointError(f"{cfg.scheme}: the training loss became {value} at step {step}; "
                                      "lower --lr or change the scheme's options")
@@ -481,7 +481,8 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
     """Combine the ranks' records of one run into the figures the CLI prints and saves.
 
     ``loss``: per step, mean over ranks; ``cumulative_bytes``: per step, bytes rank 0
-    transmitted so far; ``bytes_per_step``: total wire bytes / steps (warm-up included);
+    transmitted so far; ``bytes_per_step``: total wire bytes / steps (warm-up included; the gradients', FSDP's
+    compressed parameter all-gathers apart in ``param_bytes_per_step``);
     ``bytes_per_step_compressed``: mean over the steps after the warm-up.
     """
     r0 = records[0]
@@ -508,6 +509,7 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "error_feedback": stats.get("error_feedback") if cfg.kind() != ONEBITADAM else None,
         "bytes_per_step": wire / steps if wire is not None and steps else None,
         "bytes_per_step_compressed": steady,
+        "param_bytes_per_step": stats.get("param_bytes", 0) / steps if steps else None,
         "raw_bytes_per_step": stats["raw_bytes"] / steps if "raw_bytes" in stats and steps else None,
         "ratio": ratio if ratio is None or math.isfinite(ratio) else None,
         "step_seconds": step_seconds / steps if steps else None,

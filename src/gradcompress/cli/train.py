@@ -124,10 +124,12 @@ def run(args: argparse.Namespace) -> int:
     ratio = summary["ratio"]
     mode = (f" (HSDP, nodes of {cfg.hsdp})" if cfg.hsdp else " (FSDP)") + \
         (f", params {cfg.params}" if cfg.params else "") if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
+    params_text = f" (+ {human_bytes(summary['param_bytes_per_step'])} of parameters)" if cfg.params else ""
     metric = (f"validation loss {summary['val_loss']:.4f}" if args.task == "lm" else
               f"test accuracy {summary['test_accuracy']:.2f}%")
     print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, {metric}, "
-          f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker, "
+          f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker"
+          f"{params_text}, "
           f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
           f"{1000 * summary['step_seconds']:.1f} ms/step")
     if out_dir:
