@@ -57,6 +57,7 @@ import sys
 import time
 
 from ..scheme import ONEBITADAM, Scheme, parse_scheme
+from . import netbench_fsdp
 from .common import CLIError, human_bytes, one_line, positive_int, split_schemes, table_lines
 
 MODELS = ("mlp", "mlp8m", "cnn", "tiny", "lm")
@@ -222,14 +223,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- schemes
-def check_schemes(texts: list[str], fsdp: bool = False) -> list[str]:
+def check_schemes(texts: list[str], fsdp: bool = False, nodes: bool = False) -> list[str]:
     """Every scheme checked (:func:`gradcompress.scheme.parse_scheme`), as the run names it; ``CLIError``
     (one line) for the first that netbench cannot run."""
-    return [_check_scheme(t, fsdp) for t in texts]
+    return [_check_scheme(t, fsdp, nodes) for t in texts]
 
 
-def _check_scheme(text: str, fsdp: bool) -> str:
-    """One scheme of :func:`check_schemes`: the FSDP baseline, a PyTorch baseline, a codec spec or ``codec:diloco=H``."""
+def _check_scheme(text: str, fsdp: bool, nodes: bool = False) -> str:
+    """One scheme of :func:`check_schemes`: the FSDP baseline, a PyTorch baseline, a codec spec or ``codec:diloco=H``
+    (``fsdp`` with ``nodes``: :func:`gradcompress.cli.netbench_fsdp.check`)."""
+    if fsdp and nodes:
+        return netbench_fsdp.check(text)
     if fsdp and text.strip() == FSDP_BASELINE:
         return FSDP_BASELINE
     if text.strip() == NOSEND:
@@ -274,7 +278,9 @@ def _check_fsdp_scheme(scheme: Scheme) -> None:
 
 def _diloco_h(text: str) -> int:
     """H of a DiLoCo scheme (``int4:diloco=25``), else 0 (``text`` passed :func:`check_schemes`)."""
-    return 0 if text in (FSDP_BASELINE, NOSEND) else parse_scheme(text).diloco or 0
+    if text in (FSDP_BASELINE, NOSEND) or text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):
+        return 0
+    return parse_scheme(text).diloco or 0
 
 
 # --------------------------------------------------------------------------- the parent
@@ -286,8 +292,10 @@ def run(args: argparse.Namespace) -> int:
     if why:
         raise CLIError(why)
     hosts, per_node = layout(args)
-    defaults = FSDP_SCHEMES if args.fsdp else NODE_SCHEMES if args.nodes else DEFAULT_SCHEMES
-    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp)
+    nodes = per_node > 1
+    defaults = (netbench_fsdp.NODE_FSDP_SCHEMES if nodes else FSDP_SCHEMES) if args.fsdp else \
+        NODE_SCHEMES if args.nodes else DEFAULT_SCHEMES
+    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp, nodes)
     if not schemes:
         raise CLIError("--schemes is empty")
     if args.warmup < MIN_WARMUP:
@@ -321,8 +329,6 @@ def layout(args: argparse.Namespace) -> tuple[int, int]:
     per_node = args.workers_per_node or 1
     if args.nodes * per_node > MAX_NODE_WORKERS:
         raise CLIError(f"--nodes x --workers-per-node is {args.nodes * per_node}; at most {MAX_NODE_WORKERS} workers")
-    if args.fsdp:
-        raise CLIError("--fsdp runs with --workers (one worker per host), not with --nodes")
     return args.nodes, per_node
 
 
@@ -408,7 +414,7 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
     if recs[0]["wire_bytes"] is not None:
         wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / n, "stats"
     else:
-        wire, source = float(model_bytes), "model"
+        wire, source = (None, None) if model_bytes is None else (float(model_bytes), "model")
     codec = [r["codec_seconds"] for r in recs if r["codec_seconds"] is not None]
     wait = [r["comm_seconds"] for r in recs if r.get("comm_seconds") is not None]
     return {
@@ -424,6 +430,7 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
         "iface_over_wire": statistics.fmean(iface) / wire if wire else None,
         "codec_s_per_step": statistics.fmean(codec) / n if codec else None,
         "wait_s_per_step": statistics.fmean(wait) / n if wait else None,
+        "param_bytes_per_step": None if recs[0].get("param_bytes") is None else recs[0]["param_bytes"] / n,
         "buckets": recs[0]["buckets"],
         "error_feedback": recs[0]["error_feedback"],
         "final_loss": recs[0]["loss"],
@@ -444,7 +451,7 @@ def _node_figures(text: str, recs: list[dict], shapes: list[tuple], workers: int
         source = "stats"
     elif text == NOSEND:
         inter, source = [0.0] * nodes, "model"
-    elif _diloco_h(text) or text == FSDP_BASELINE:
+    elif _diloco_h(text) or text in netbench_fsdp.BASELINES:
         inter, source = [None] * nodes, None
     else:
         model = node_uplink_bytes(cost_scheme(text), shapes, nodes, per_node, hierarchical=False,
@@ -466,6 +473,8 @@ def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, buck
         return NOSEND, 0
     if text == FSDP_BASELINE:
         return "fsdp", (workers - 1) * 4 * sum(math.ceil(s[0] / workers) * math.prod(s[1:]) for s in shapes)
+    if text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):  # FSDP on nodes: no model
+        return "fsdp", None
     scheme = cost_scheme(text)
     return scheme.kind, wire_bytes(scheme, shapes, workers, bucket_cap)
 
@@ -536,6 +545,8 @@ def format_node_table(result: dict) -> str:
 
 
 def format_table(result: dict) -> str:
+    if result.get("workers_per_node", 1) > 1 and result.get("fsdp"):
+        return netbench_fsdp.format_table({**result, "rate_text": _fmt_rate(result["bandwidth_bit"])})
     if result.get("workers_per_node", 1) > 1:
         return format_node_table(result)
     head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
@@ -753,6 +764,7 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
 
     return {"step_seconds": step_times, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
             "inter_node_bytes": delta("inter_node_bytes"), "intra_node_bytes": delta("intra_node_bytes"),
+            "param_bytes": delta("param_bytes"),
             "topology": None if comp is None else st1["topology"]["kind"],
             "codec_seconds": delta("codec_seconds"), "comm_seconds": delta("comm_seconds"),
             "loss": loss if math.isfinite(loss) else None}
@@ -773,6 +785,9 @@ def _bucket_count(cfg: dict, model, net, h: int) -> int:
 def _setup(cfg: dict, model, text: str, h: int, one_bucket_mb: int):
     """The model wrapped for scheme ``text``: (net, Compressor or None, error feedback, bucket cap in MB or
     None, optimizer or None for plain SGD)."""
+    if cfg.get("fsdp") and cfg.get("workers_per_node", 1) > 1:
+        nodes = cfg["world"] // cfg["workers_per_node"]
+        return (*netbench_fsdp.setup(model, text, nodes, cfg["workers_per_node"], COMPRESSOR_WARMUP), None, None)
     if cfg.get("fsdp"):
         return (*_fsdp_setup(model, text), None)
     if text == NOSEND:
