@@ -18,7 +18,8 @@ import pytest
 
 from gradcompress import costmodel as cm
 from gradcompress import netns
-from gradcompress.cli import main
+from gradcompress.cli import main, netbench
+from gradcompress.cli.common import CLIError
 
 NETNS_PROBLEM = netns.probe()
 needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
@@ -261,3 +262,33 @@ def test_netbench_nodes_hierarchical_uplink_below_flat():
     # the flat exchange's inter_node_bytes count the node's own workers too: more than crosses the uplink
     assert flat["inter_node_bytes_per_step_by_node"][0] > flat["uplink_tx_bytes_per_step_by_node"][0]
     assert max(rows["ddp"]["uplink_tx_bytes_per_step_by_node"]) > 2 * max(hier["uplink_tx_bytes_per_step_by_node"])
+
+
+@needs_netns
+def test_netbench_fsdp_on_nodes_compressed_hsdp_and_parameters_below_dense():
+    """2 nodes x 2 workers, FSDP2: compressed HSDP's replica all-reduce puts less on each uplink than dense HSDP
+    (their all-gathers stay inside the node), and plain FSDP with int8 parameters and int4 gradients less than
+    dense FSDP; the compressed rows count their bytes (inter_node_bytes, param_bytes)."""
+    result = _run_json(["--fsdp", "--nodes", "2", "--workers-per-node", "2", "--bandwidth", "1gbit", "--model",
+                        "tiny", "--steps", "2", "--schemes", "fsdp", "hsdp", "int8:layout=hsdp", "int4:params=int8"],
+                       timeout=240)
+    up = {r["scheme"]: max(r["uplink_tx_bytes_per_step_by_node"]) for r in result["schemes"]}
+    rows = {r["scheme"]: r for r in result["schemes"]}
+    assert up["hsdp"] < up["fsdp"]
+    assert 0 < up["int8:layout=hsdp"] < 0.4 * up["hsdp"]
+    assert 0 < up["int4:params=int8"] < 0.35 * up["fsdp"]
+    assert rows["int8:layout=hsdp"]["topology"] == rows["int4:params=int8"]["topology"] == "hierarchical"
+    assert rows["int4:params=int8"]["param_bytes_per_step"] > 0 and rows["int8:layout=hsdp"]["param_bytes_per_step"] == 0
+    assert "x hsdp" in netbench.format_table(result)
+
+
+def test_netbench_fsdp_scheme_options():
+    from gradcompress.cli import netbench_fsdp as nf
+
+    assert nf.split("hsdp") == (None, "hsdp", None)
+    assert nf.split("topk:ratio=0.01,layout=hsdp,params=bf16") == ("topk:ratio=0.01", "hsdp", "bf16")
+    assert nf.split("int4:params=int8") == ("int4", "fsdp", "int8")
+    for bad, says in [("int8:layout=ring", "layout must be one of fsdp, hsdp"), ("int8:params=int4", "params must"),
+                      ("powersgd:rank=2", "powersgd cannot compress FSDP")]:
+        with pytest.raises(CLIError, match=says):
+            nf.check(bad)
