@@ -133,6 +133,8 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["demo", "--schemes", "dgc:compressed_adam=true"], "dgc keeps its own momentum"),
     (["demo", "--schemes", "topk:compressed_adam=true,momentum=0.9"], "momentum do not apply"),
     (["train", "--codec", "int8:compressed_adam=true", "--fsdp"], "--fsdp does not apply"),
+    (["train", "--codec", "int8", "--hsdp"], "--hsdp and --params apply to --fsdp runs"),
+    (["train", "--codec", "int8", "--fsdp", "--params", "int4"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))
