@@ -99,6 +99,13 @@ def test_scheme_option_outer_next_to_diloco():
         parse_scheme("none:diloco=50,outer=adam")
     with pytest.raises(ValueError, match="give it with diloco=H"):
         parse_scheme("int4:outer=sparseloco")
+    s = parse_scheme("none:diloco=50,outer=sparseloco,outer_lr=2")
+    assert s.outer_lr == 2.0 and s.canonical() == "none:diloco=50,outer=sparseloco,outer_lr=2.0"
+    assert RunConfig(scheme=s.text, task="lm").diloco_options()["outer_lr"] == 2.0
+    with pytest.raises(ValueError, match=r"outer_lr must be a number > 0 .*got 0"):
+        parse_scheme("none:diloco=50,outer_lr=0")
+    with pytest.raises(ValueError, match="outer_lr is DiLoCo's outer learning rate; give it with diloco=H"):
+        parse_scheme("int4:outer_lr=1")
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -39,8 +39,8 @@ ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps", "sync_every",
 #: PyTorch's own DDP schemes (netbench runs them, the cost model predicts them)
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 #: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync), ``compressed_adam=true`` and
-#: ``outer=nesterov|sparseloco`` (DiLoCo's outer update, with ``diloco=H``)
-SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer")
+#: ``outer=nesterov|sparseloco`` and ``outer_lr=`` (DiLoCo's outer update and its learning rate, with ``diloco=H``)
+SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr")
 #: DiLoCo's outer updates (``outer=``): its own outer SGD with Nesterov momentum, and SparseLoCo's
 DILOCO_OUTERS = ("nesterov", "sparseloco")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
@@ -71,6 +71,7 @@ class Scheme:
     compressed_adam: bool = False  # ours: train with CompressedAdam (the codec carries Adam's momentum)
     adam_options: tuple = ()  # onebitadam: OneBitAdam's options given in the scheme, as (name, value)
     outer: str | None = None  # ours with diloco: DiLoCo's outer update (DILOCO_OUTERS), None: not given (nesterov)
+    outer_lr: float | None = None  # ours with diloco: DiLoCo's outer learning rate, None: the outer's default
 
     @property
     def label(self) -> str:
@@ -99,6 +100,8 @@ class Scheme:
             extra.append(("compressed_adam", True))
         if self.outer is not None:
             extra.append(("outer", self.outer))
+        if self.outer_lr is not None:
+            extra.append(("outer_lr", self.outer_lr))
         if not extra:
             return self.codec.spec
         joined = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra)
@@ -158,8 +161,18 @@ def _ours(text: str) -> Scheme:
     compressed_adam = _compressed_adam(extra, codec, compressor)
     diloco = check_diloco(extra["diloco"]) if "diloco" in extra else None
     outer = check_scheme_outer(extra["outer"], diloco) if "outer" in extra else None
+    outer_lr = _outer_lr(extra["outer_lr"], diloco) if "outer_lr" in extra else None
     return Scheme(text, "ours", codec, options=tuple(compressor.items()), diloco=diloco,
-                  compressed_adam=compressed_adam, outer=outer)
+                  compressed_adam=compressed_adam, outer=outer, outer_lr=outer_lr)
+
+
+def _outer_lr(value: Any, diloco: int | None) -> float:
+    """``outer_lr=``: a number > 0, only next to ``diloco=H``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"outer_lr must be a number > 0 (DiLoCo's outer learning rate), got {value!r}")
+    if diloco is None:
+        raise ValueError("outer_lr is DiLoCo's outer learning rate; give it with diloco=H")
+    return float(value)
 
 
 def check_scheme_outer(value: Any, diloco: int | None) -> str:

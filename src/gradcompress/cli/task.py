@@ -105,10 +105,12 @@ class RunConfig:
         """DiLoCo's ``codec``, ``outer`` and ``error_feedback`` for this run: ``outer=sparseloco`` with an exact
         codec (``none:diloco=50,outer=sparseloco``) takes SparseLoCo's own codec."""
         codec, options = self.compressor()
-        outer = self.parsed().outer or "nesterov"
+        scheme = self.parsed()
+        outer = scheme.outer or "nesterov"
+        lr = {} if scheme.outer_lr is None else {"outer_lr": scheme.outer_lr}
         if outer == "sparseloco":
-            return {"codec": None if codec.exact else codec, "outer": outer}
-        return {"codec": codec, "outer": outer, "error_feedback": options["error_feedback"]}
+            return {"codec": None if codec.exact else codec, "outer": outer, **lr}
+        return {"codec": codec, "outer": outer, "error_feedback": options["error_feedback"], **lr}
 
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
@@ -148,8 +150,9 @@ class RunConfig:
         if self.diloco and self.parsed().outer == "sparseloco":
             from ..optim.diloco import SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR
 
+            lr = self.parsed().outer_lr or SPARSELOCO_OUTER_LR
             outer = (f"DiLoCo(H={self.diloco}, SparseLoCo outer: error feedback decay {SPARSELOCO_ERROR_DECAY:g}, "
-                     f"outer SGD lr {SPARSELOCO_OUTER_LR:g}, no momentum) over ")
+                     f"outer SGD lr {lr:g}, no momentum) over ")
         if self.task == "lm":
             beta1 = 0 if self.momentum_corrected() else 0.9
             return f"{outer}AdamW(lr={self.learning_rate():g}, betas=({beta1:g}, 0.95), cosine)" + \
