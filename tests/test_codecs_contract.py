@@ -29,6 +29,9 @@ EXTRA_SPECS = [
     "sign:bucket=5",
     "dgc:ratio=0.1",
     "powersgd:rank=2,min_compression_rate=1",
+    "topk:ratio=0.05,chunk=64,values=int2",
+    "topk:ratio=0.2,chunk=300",  # 9-bit offsets: a byte and a packed high bit
+    "int2:bucket=7",
 ]
 SPECS = gradcompress.available() + EXTRA_SPECS
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

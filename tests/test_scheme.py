@@ -163,9 +163,9 @@ def test_unknown_option_lists_codec_compressor_and_scheme_options():
     with pytest.raises(ValueError) as err:
         sc.parse_scheme("topk:ratio=0.01,warmup_steps=10")
     msg = str(err.value)
-    assert msg.startswith("topk: unknown option 'warmup_steps'; options of topk: values, ratio; ")
+    assert msg.startswith("topk: unknown option 'warmup_steps'; options of topk: values, ratio, chunk; ")
     assert "Compressor options: " + ", ".join(sc.SCHEME_COMPRESSOR_OPTIONS) in msg
-    assert msg.endswith("scheme options: diloco, compressed_adam")
+    assert msg.endswith("scheme options: diloco, compressed_adam, outer, outer_lr")
 
 
 @pytest.mark.parametrize("value", BAD_DILOCO)
@@ -200,7 +200,7 @@ def test_netbench_takes_diloco_schemes_and_rejects_what_it_cannot_run():
     ("topk:compressed_adam=true,diloco=3", "the option(s) diloco do not apply"),
     ("dgc:compressed_adam=true", "dgc keeps its own momentum; use topk"),
     ("sign:error_feedback=maybe", "error_feedback must be true, false or auto, got 'maybe'"),
-    ("onebitadam:foo=1", "onebitadam: unknown option 'foo'; options of onebitadam: lr, warmup_steps, weight_decay, eps"),
+    ("onebitadam:foo=1", "onebitadam: unknown option 'foo'; options of onebitadam: lr, warmup_steps, weight_decay, eps, sync_every, sync_ramp_steps"),
     ("onebitadam:lr=abc", "onebitadam: lr must be a number, got 'abc'"),
     ("onebitadam:diloco=3", "onebitadam: unknown option 'diloco'"),
     ("torch-powersgd:rank=0", "torch-powersgd takes one option, rank (an integer >= 1)"),
@@ -266,7 +266,7 @@ def test_split_compressor_options_unknown_option_lists_codec_and_compressor_opti
     with pytest.raises(ValueError) as err:
         sc.split_compressor_options("topk:ratio=0.01,diloco=5")
     msg = str(err.value)
-    assert msg == ("topk: unknown option 'diloco'; options of topk: values, ratio; Compressor options: "
+    assert msg == ("topk: unknown option 'diloco'; options of topk: values, ratio, chunk; Compressor options: "
                    + ", ".join(sc.COMPRESSOR_OPTIONS))
     with pytest.raises(ValueError, match="options of fp16: none; Compressor options: error_feedback"):
         sc.split_compressor_options("fp16:bucket=4")

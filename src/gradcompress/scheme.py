@@ -5,8 +5,10 @@ A *scheme* names what one training run or benchmark row uses to average gradient
     "int8"                                          a codec spec (our Compressor with that codec)
     "sign:momentum=0.9"                             ... plus Compressor options by name
     "int4:diloco=25"                                DiLoCo, H = 25, int4 outer gradients
+    "none:diloco=50,outer=sparseloco"               DiLoCo, H = 50, SparseLoCo's outer gradients (its codec)
     "topk:ratio=0.01,values=int8,compressed_adam=true"   CompressedAdam (Adam's momentum through the codec)
     "onebitadam:warmup_steps=30"                    OneBitAdam with its own options
+    "onebitadam:sync_every=4"                       ... with local steps: a sync every 4th step after the freeze
     "ddp", "torch-fp16", "torch-powersgd:rank=4"    PyTorch's baselines (netbench, plan, the cost model)
 
 :func:`parse_scheme` reads any of them into one frozen :class:`Scheme`; every mistake is
@@ -31,12 +33,16 @@ from typing import Any, Mapping
 from .spec import make, parse, read
 
 ONEBITADAM = "onebitadam"
-#: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam; numbers)
-ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps")
+#: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam; numbers); ``sync_every`` and
+#: ``sync_ramp_steps``: local steps after the freeze (0/1 Adam's idea, :class:`gradcompress.optim.CompressedAdam`)
+ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps", "sync_every", "sync_ramp_steps")
 #: PyTorch's own DDP schemes (netbench runs them, the cost model predicts them)
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
-#: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync) and ``compressed_adam=true``
-SCHEME_OPTIONS = ("diloco", "compressed_adam")
+#: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync), ``compressed_adam=true`` and
+#: ``outer=nesterov|sparseloco`` and ``outer_lr=`` (DiLoCo's outer update and its learning rate, with ``diloco=H``)
+SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr")
+#: DiLoCo's outer updates (``outer=``): its own outer SGD with Nesterov momentum, and SparseLoCo's
+DILOCO_OUTERS = ("nesterov", "sparseloco")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
 COMPRESSOR_OPTIONS = ("error_feedback", "server_error_feedback", "momentum", "warmup_steps", "min_numel", "seed",
                       "collective", "schedule", "ramp_steps", "residual_dtype", "monitor_every", "overlap", "topology",
@@ -64,6 +70,8 @@ class Scheme:
     diloco: int | None = None  # ours: DiLoCo's H (inner steps per sync), None: no DiLoCo
     compressed_adam: bool = False  # ours: train with CompressedAdam (the codec carries Adam's momentum)
     adam_options: tuple = ()  # onebitadam: OneBitAdam's options given in the scheme, as (name, value)
+    outer: str | None = None  # ours with diloco: DiLoCo's outer update (DILOCO_OUTERS), None: not given (nesterov)
+    outer_lr: float | None = None  # ours with diloco: DiLoCo's outer learning rate, None: the outer's default
 
     @property
     def label(self) -> str:
@@ -90,6 +98,10 @@ class Scheme:
             extra.append(("diloco", self.diloco))
         if self.compressed_adam:
             extra.append(("compressed_adam", True))
+        if self.outer is not None:
+            extra.append(("outer", self.outer))
+        if self.outer_lr is not None:
+            extra.append(("outer_lr", self.outer_lr))
         if not extra:
             return self.codec.spec
         joined = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra)
@@ -148,8 +160,29 @@ def _ours(text: str) -> Scheme:
     codec, compressor, extra = _split(name, opts, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS)
     compressed_adam = _compressed_adam(extra, codec, compressor)
     diloco = check_diloco(extra["diloco"]) if "diloco" in extra else None
+    outer = check_scheme_outer(extra["outer"], diloco) if "outer" in extra else None
+    outer_lr = _outer_lr(extra["outer_lr"], diloco) if "outer_lr" in extra else None
     return Scheme(text, "ours", codec, options=tuple(compressor.items()), diloco=diloco,
-                  compressed_adam=compressed_adam)
+                  compressed_adam=compressed_adam, outer=outer, outer_lr=outer_lr)
+
+
+def _outer_lr(value: Any, diloco: int | None) -> float:
+    """``outer_lr=``: a number > 0, only next to ``diloco=H``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"outer_lr must be a number > 0 (DiLoCo's outer learning rate), got {value!r}")
+    if diloco is None:
+        raise ValueError("outer_lr is DiLoCo's outer learning rate; give it with diloco=H")
+    return float(value)
+
+
+def check_scheme_outer(value: Any, diloco: int | None) -> str:
+    """``outer=nesterov|sparseloco``: one of :data:`DILOCO_OUTERS`, and only next to ``diloco=H``."""
+    if value not in DILOCO_OUTERS:
+        raise ValueError(f"outer must be one of {', '.join(DILOCO_OUTERS)} (DiLoCo's outer update), got {value!r}")
+    if diloco is None:
+        raise ValueError(f"outer={value} is DiLoCo's outer update; give it with diloco=H (e.g. "
+                         f"none:diloco=50,outer={value})")
+    return value
 
 
 def check_diloco(value: Any) -> int:
@@ -248,7 +281,7 @@ def merge_compressor_options(from_spec: Mapping[str, Any], keywords: Mapping[str
     return {**from_spec, **keywords}
 
 
-__all__ = ["BASELINES", "COMPRESSOR_OPTIONS", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
+__all__ = ["BASELINES", "COMPRESSOR_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
            "SCHEME_COMPRESSOR_OPTIONS", "SCHEME_OPTIONS", "Scheme", "check_diloco", "codec_options",
            "compressor_value", "merge_compressor_options", "parse_scheme", "scheme_name",
            "split_compressor_options", "unknown_option_message"]

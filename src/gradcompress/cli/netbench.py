@@ -250,6 +250,9 @@ def _check_scheme(text: str, fsdp: bool, nodes: bool = False) -> str:
         if scheme.diloco:
             if fsdp:
                 raise ValueError("DiLoCo schemes do not combine with --fsdp")
+            if scheme.outer == "sparseloco":
+                raise ValueError(f"{scheme.text}: netbench runs DiLoCo with its Nesterov outer update; "
+                                 "outer=sparseloco runs in demo and train")
             return scheme.text
         if fsdp:
             _check_fsdp_scheme(scheme)

@@ -103,6 +103,17 @@ class RunConfig:
             options["topology"] = self.topology
         return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
 
+    def diloco_options(self) -> dict:
+        """DiLoCo's ``codec``, ``outer`` and ``error_feedback`` for this run: ``outer=sparseloco`` with an exact
+        codec (``none:diloco=50,outer=sparseloco``) takes SparseLoCo's own codec."""
+        codec, options = self.compressor()
+        scheme = self.parsed()
+        outer = scheme.outer or "nesterov"
+        lr = {} if scheme.outer_lr is None else {"outer_lr": scheme.outer_lr}
+        if outer == "sparseloco":
+            return {"codec": None if codec.exact else codec, "outer": outer, **lr}
+        return {"codec": codec, "outer": outer, "error_feedback": options["error_feedback"], **lr}
+
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
         if self.kind() == ONEBITADAM:
@@ -132,11 +143,18 @@ class RunConfig:
     def optimizer_text(self) -> str:
         if self.kind() == ONEBITADAM:
             o = self.onebitadam_options()
-            extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay") if k in o)
+            extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay", "sync_every", "sync_ramp_steps")
+                            if k in o)
             lm_extra = ", betas=(0.9, 0.95), cosine" if self.task == "lm" else ""
             name = f"CompressedAdam(codec={o['codec']!r}, " if "codec" in o else "OneBitAdam("
             return f"{name}lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra}{lm_extra})"
         outer = f"DiLoCo(H={self.diloco}, outer SGD lr 0.7 Nesterov 0.9) over " if self.diloco else ""
+        if self.diloco and self.parsed().outer == "sparseloco":
+            from ..optim.diloco import SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR
+
+            lr = self.parsed().outer_lr or SPARSELOCO_OUTER_LR
+            outer = (f"DiLoCo(H={self.diloco}, SparseLoCo outer: error feedback decay {SPARSELOCO_ERROR_DECAY:g}, "
+                     f"outer SGD lr {lr:g}, no momentum) over ")
         if self.task == "lm":
             beta1 = 0 if self.momentum_corrected() else 0.9
             return f"{outer}AdamW(lr={self.learning_rate():g}, betas=({beta1:g}, 0.95), cosine)" + \
@@ -326,8 +344,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             from ..optim import DiLoCo
 
             net = model
-            opt = DiLoCo(model, inner, sync_every=cfg.diloco, codec=codec, seed=cfg.seed,
-                         error_feedback=options["error_feedback"])
+            opt = DiLoCo(model, inner, sync_every=cfg.diloco, seed=cfg.seed, **cfg.diloco_options())
             comp = opt.compressor
         elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter (HSDP: replicas') compressed
             comp = fsdp_setup(task, model, cfg, codec, options, world, device)

@@ -391,3 +391,63 @@ class TernGrad(Bucketed):
         codes, scale = tensors
         y = unpack(codes, 2, numel).float() - 1
         return rescale(y, scale, self.bucket, numel)
+
+
+def two_level_magnitudes(xb: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bucket (row) of ``xb`` (``n`` elements, then zero padding): (whether each |x| is at or above the
+    bucket's mean |x|, the two levels).
+
+    The levels are the mean |x| of the elements below the bucket's mean |x| and of those at or above it (0 for an
+    empty group); the padding counts in neither. A bucket holding an Inf or NaN gets NaN levels, so it decodes
+    non-finite.
+    """
+    mag = xb.abs()
+    valid = (torch.arange(mag.numel(), device=mag.device) < n).view(mag.shape)
+    split = mag.sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True)
+    high = mag >= split
+    levels = []
+    for group in (valid & ~high, valid & high):
+        count = group.sum(dim=1).clamp_(min=1)
+        levels.append(torch.where(group, mag, torch.zeros_like(mag)).sum(dim=1) / count)
+    poison = split.squeeze(1) - split.squeeze(1)  # 0, or NaN for a non-finite bucket
+    return high, torch.stack(levels, dim=1) + poison[:, None]
+
+
+@register("int2")
+@dataclasses.dataclass(frozen=True)
+class Int2(Codec):
+    """2-bit codes (a sign bit and a magnitude bit) + two float32 magnitudes per bucket: ~0.27 B/element.
+
+    What is sent: per element its sign and whether its |x| is below or at/above the bucket's mean |x|
+    (packed four to a byte), and per bucket of ``bucket`` elements the two levels: the mean |x| of each of the
+    two groups. An element decodes to ``sign * level[its group]``: a sign-magnitude 2-means quantiser
+    (SparseLoCo's 2-bit values, Sarfi et al. 2025, sent here with a deterministic rule instead of their
+    statistical bins).
+
+    Bias: deterministic and biased per element, but each group keeps its sum of magnitudes, and it is a
+    contraction: ``||x - Q(x)||^2 = ||x||^2 - sum_groups n_g level_g^2 <= ||x||^2``, so error feedback is
+    safe with it. When to use it: as the ``values`` codec of a sparsifier
+    (``topk:ratio=0.015625,chunk=4096,values=int2``): the kept values are all large, which two levels per
+    bucket describe well. On dense gradients ``int4`` keeps far more (2 levels cannot separate small values).
+    """
+
+    bucket: int = option(512, range=Range(1, None), doc="elements per pair of levels")
+    aggregation = Aggregation.REQUANTIZE
+    uses_fast_kernels = False
+
+    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+        return -(-numel * 2 // 8) + 8 * -(-numel // self.bucket)
+
+    def _encode(self, flat, seed):
+        xb = to_buckets(flat, self.bucket)
+        high, levels = two_level_magnitudes(xb, flat.numel())
+        codes = (xb < 0).to(torch.uint8) + 2 * high.to(torch.uint8)
+        return pack(from_buckets(codes, flat.numel()), 2), levels.reshape(-1)
+
+    def _decode(self, tensors, numel, seed, device):
+        packed, levels = tensors
+        codes = unpack(packed, 2, numel).long()
+        nb = levels.numel() // 2
+        bucket_of = torch.arange(numel, device=codes.device) // self.bucket
+        magnitude = levels.view(nb, 2).float()[bucket_of, codes // 2]
+        return torch.where(codes % 2 == 1, -magnitude, magnitude)

@@ -60,6 +60,24 @@ are masked: their momentum is zeroed and they do not move (DeepSpeed's ``exp_avg
 idea, computed instead of configured). With ``warmup_steps=0`` nothing is estimated,
 so nothing is floored or masked.
 
+Local steps (0/1 Adam's "1-bit sync", Lu et al., ICLR 2023), ``sync_every=k``: after the freeze each rank
+synchronises a parameter only at every k-th compressed step of it (``sync_ramp_steps=R``: 0/1 Adam's growing
+schedule instead, the interval 1 for the first R compressed steps, then 2, 4, ... doubling every R steps up to k;
+:func:`sync_due`). The schedule is a function of the parameter's step count, so it is the same on every rank.
+Between syncs each rank steps with its *local* momentum ``m = b1 m + (1 - b1) g_local``, ``p -= s_t m / d``
+(``s_t = lr / (1 - b1^t)``, ``d`` the frozen denominator), nothing sent, and accumulates ``U = sum s_t m_t``;
+it keeps the parameters of the last sync (the ``anchor``, one float32 copy). At a sync step T it sends
+``M = m_T + U / s_T`` (the interval's updates in units of this step's step size; ``M = m_T`` after no local step)
+through the same compressed exchange (error feedback included), and every rank sets
+``p = anchor - s_T * mean(M) / d`` and ``m = mean(M) * s_T / S`` (S: the interval's summed step sizes: the
+step-size-weighted mean momentum, 0/1 Adam's momentum estimate). The replicas are bit-identical after every sync
+(the same anchor, averaged bytes and denominator everywhere); between syncs they differ. With ``sync_every=1``
+(the default) every step is a sync with no local step: exactly the compressed step above. Bytes: only sync steps
+send (about 1/k of the compressed steps' bytes). A non-finite local momentum on a local step leaves that rank's
+momentum and parameter as they were (the step still counts, so the schedule stays the same everywhere); a
+non-finite average at a sync skips the step everywhere. When to use it: links so slow that even 1-bit steps
+wait; the price is the drift of k local Adam steps between syncs (k 2 to 8 on the LM task, README).
+
 The exchange is a :class:`gradcompress.Compressor` step (:mod:`gradcompress.step`) with
 the ``sign`` codec, worker and server error feedback and ``min_numel=0``; the residuals
 live in this optimizer's state (``worker_error``, ``server_error``), their only owner: the
@@ -95,6 +113,8 @@ VARIANCE_FLOOR = 0.1
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: what each parameter's state holds (all float32 tensors; ``lowrank_q``/``lowrank_p`` only with powersgd)
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
+#: what a parameter's state holds between two syncs with local steps (``sync_every > 1``); gone after a sync
+LOCAL_STATE_KEYS = ("anchor", "local_update", "local_step_sizes")
 #: the exchange's per-parameter state (Compressor slot -> our state key), seen by the Compressor through views
 SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q": "lowrank_q", "p": "lowrank_p"}
 
@@ -128,6 +148,27 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who: str 
         raise ValueError(f"{who}: weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
         raise ValueError(f"{who}: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+
+
+def _check_schedule(sync_every, sync_ramp_steps, who: str) -> tuple[int, int]:
+    for name, value, lo in (("sync_every", sync_every, 1), ("sync_ramp_steps", sync_ramp_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+            raise ValueError(f"{who}: {name} must be an integer >= {lo}, got {value!r}")
+    return int(sync_every), int(sync_ramp_steps)
+
+
+def sync_due(compressed_step: int, sync_every: int, sync_ramp_steps: int = 0) -> bool:
+    """Whether a parameter's ``compressed_step``-th step after the freeze (1, 2, ...) is a sync step.
+
+    Fixed schedule (``sync_ramp_steps=0``): every ``sync_every``-th. Growing (0/1 Adam's): the interval is
+    ``min(sync_every, 2 ** ((compressed_step - 1) // sync_ramp_steps))`` and a step syncs when the interval
+    divides it (interval 1 for the first ramp steps, then 2, 4, ... up to ``sync_every``)."""
+    interval = sync_every
+    if sync_ramp_steps > 0:
+        doublings = (compressed_step - 1) // sync_ramp_steps
+        if doublings < sync_every.bit_length():
+            interval = min(sync_every, 2**doublings)
+    return compressed_step % interval == 0
 
 
 def _check_codec(codec, who: str):
@@ -196,6 +237,10 @@ class CompressedAdam(torch.optim.Optimizer):
             initialised ``torch.distributed`` (and no group given) the optimizer runs as
             a single process; a group of size 1 does the same. A single process sends
             nothing but runs the same code, compression and error feedback included.
+        sync_every: local steps (module doc): after the freeze, synchronise each parameter only every
+            ``sync_every``-th step (integer >= 1; 1, the default: every step, as without the option).
+        sync_ramp_steps: 0 (default): the fixed interval ``sync_every`` from the freeze on; R > 0: 0/1 Adam's
+            growing interval, doubling every R compressed steps up to ``sync_every`` (:func:`sync_due`).
         topology: the Compressor's (:mod:`gradcompress.topology`): ``"auto"`` (default; flat on one
             machine), ``"flat"``, an ``int`` G or a 2-D ``DeviceMesh``. Hierarchical (2+ nodes of 2+
             workers): the compressed momenta are reduce-scattered dense inside the node and each worker
@@ -216,11 +261,12 @@ class CompressedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC,
-                 topology="auto"):
+                 topology="auto", sync_every: int = 1, sync_ramp_steps: int = 0):
         who = type(self).__name__
         topology_mod.check(topology, "none")
         _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
         self.codec = _check_codec(codec, who)
+        self.sync_every, self.sync_ramp_steps = _check_schedule(sync_every, sync_ramp_steps, who)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=int(warmup_steps))
         super().__init__(params, defaults)
         self.process_group, self.topology = process_group, topology
@@ -233,10 +279,13 @@ class CompressedAdam(torch.optim.Optimizer):
         self._by_key: list = []  # the parameters in key order (refreshed every step)
         self._local: LocalCollectives | None = None  # the collectives of a single process, made with the compressor
         self._checked = False
-        self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0}
+        self._counters = {"steps": 0, "compressed_steps": 0, "skipped": 0, "raw_bytes": 0, "seconds": 0.0,
+                          "local_skipped": 0}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        if not hasattr(self, "sync_every"):
+            self.sync_every, self.sync_ramp_steps = 1, 0
         if not hasattr(self, "process_group"):
             self.process_group = None
         if not hasattr(self, "topology"):
@@ -272,7 +321,8 @@ class CompressedAdam(torch.optim.Optimizer):
         algorithms send them (:class:`gradcompress.collectives.Collectives`; 0 in a single
         process); ``ratio``: raw / wire; ``comm_seconds``: time waiting on collectives;
         ``codec_seconds``: the rest of the time in :meth:`step` (encode, decode, update);
-        ``inter_node_bytes`` / ``intra_node_bytes`` / ``topology``: the Compressor's (:meth:`Compressor.stats`).
+        ``inter_node_bytes`` / ``intra_node_bytes`` / ``topology``: the Compressor's (:meth:`Compressor.stats`);
+        ``local_skipped``: local steps (``sync_every > 1``) of a parameter whose local momentum was non-finite.
         """
         exchanged = self._compressor.stats() if self._compressor else {
             "wire_bytes": 0, "comm_seconds": 0.0, "inter_node_bytes": 0, "intra_node_bytes": 0, "topology": None}
@@ -290,6 +340,7 @@ class CompressedAdam(torch.optim.Optimizer):
             "inter_node_bytes": exchanged["inter_node_bytes"],
             "intra_node_bytes": exchanged["intra_node_bytes"],
             "topology": exchanged["topology"],
+            "local_skipped": self._counters["local_skipped"],
         }
 
     def bytes_sent(self) -> int:
@@ -360,17 +411,18 @@ class CompressedAdam(torch.optim.Optimizer):
         if not dense and not comp:
             step.end()
             return loss
+        sync, local = self._due(comp)
         self._counters["steps"] += 1
         self._counters["compressed_steps"] += bool(comp)
-        self._counters["raw_bytes"] += 4 * sum(p.numel() for _, _, p, _ in dense + comp)
+        self._counters["raw_bytes"] += 4 * sum(p.numel() for _, _, p, _ in dense + sync)
         jobs = []
         dense_flat = None
         if dense:  # warm-up: the gradients, averaged dense
             dense_flat = torch.cat([p.grad.detach().reshape(-1).float() for _, _, p, _ in dense])
             jobs.append(step.exchange(["warmup"], [dense_flat], dense=True))
-        momenta = self._momenta(comp)
-        if comp:  # afterwards: the momenta, 1 bit each, with worker and server error feedback
-            jobs.append(step.exchange([k for k, _, _, _ in comp], momenta))
+        momenta = self._momenta(sync, outgoing=True)
+        if sync:  # afterwards: the momenta, 1 bit each, with worker and server error feedback
+            jobs.append(step.exchange([k for k, _, _, _ in sync], momenta))
         step.drive(jobs)
         if not step.end():  # some rank's gradient or momentum was non-finite: skip everywhere
             self._counters["skipped"] += 1
@@ -380,20 +432,42 @@ class CompressedAdam(torch.optim.Optimizer):
             n = p.numel()
             self._adam_step(group, p, state, dense_flat[offset : offset + n].view(p.shape))
             offset += n
-        for (key, group, p, state), momentum in zip(comp, momenta):
+        for (key, group, p, state), momentum in zip(sync, momenta):
             self._compressed_update(key, group, p, state, momentum)
+        for (key, group, p, state), momentum in zip(local, self._momenta(local)):
+            self._local_update(group, p, state, momentum)
         return loss
 
-    def _momenta(self, comp) -> list[torch.Tensor]:
-        """The local momenta to exchange."""
+    def _due(self, comp) -> tuple[list, list]:
+        """(sync, local): the parameters past their warm-up whose step syncs (:func:`sync_due`), and the others."""
+        if self.sync_every == 1:
+            return comp, []
+        sync, local = [], []
+        for entry in comp:
+            _, group, _, state = entry
+            c = int(state["step"].item()) - group["warmup_steps"] + 1
+            (sync if sync_due(c, self.sync_every, self.sync_ramp_steps) else local).append(entry)
+        return sync, local
+
+    def _momenta(self, comp, outgoing: bool = False) -> list[torch.Tensor]:
+        """The local momenta (``outgoing``: what a sync sends, ``m_T + U / s_T`` after local steps)."""
         momenta = []
         for key, group, p, state in comp:
             grad = self._local_grad(group, p, p.grad.detach().float())
-            momenta.append(state["exp_avg"].lerp(grad, 1 - group["betas"][0]))
+            m = state["exp_avg"].lerp(grad, 1 - group["betas"][0])
+            if outgoing and "local_update" in state:
+                m = m.add_(state["local_update"], alpha=1.0 / self._step_size(group, state, ahead=1))
+            momenta.append(m)
         return momenta
 
+    @staticmethod
+    def _step_size(group: dict, state: dict, ahead: int = 0) -> float:
+        """``lr / (1 - b1^t)`` at the parameter's step t (+ ``ahead``)."""
+        return group["lr"] / (1 - group["betas"][0] ** (state["step"].item() + ahead))
+
     def _compressed_update(self, key, group, p, state, momentum) -> None:
-        """The update of a parameter past its warm-up from the averaged momentum (frozen variance)."""
+        """The update of a parameter past its warm-up from the averaged momentum (frozen variance); after local
+        steps (a sync of ``sync_every > 1``) from the anchor (module doc: local steps)."""
         if state["step"].item() == group["warmup_steps"]:
             _floor_frozen_variance(state["exp_avg_sq"])
         seen = _seen_in_warmup(state["exp_avg_sq"]) if group["warmup_steps"] > 0 else None
@@ -402,7 +476,38 @@ class CompressedAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         warm = group["warmup_steps"]
         bc2 = 1 - beta2**warm if warm > 0 else 1.0
-        self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
+        if "anchor" not in state:
+            self._update(group, p, state, 1 - beta1 ** state["step"].item(), bc2)
+            return
+        step_size = self._step_size(group, state)
+        anchor, sizes = state.pop("anchor"), state.pop("local_step_sizes")
+        del state["local_update"]
+        denom = (state["exp_avg_sq"].sqrt() / bc2**0.5).add_(group["eps"])
+        p.copy_(anchor.addcdiv_(state["exp_avg"], denom, value=-step_size))
+        state["exp_avg"].mul_(step_size / (float(sizes) + step_size))
+
+    def _local_update(self, group, p, state, momentum) -> None:
+        """A local step (``sync_every > 1``, between syncs): this rank's own momentum, nothing sent; the update is
+        accumulated for the next sync, and the parameters of the last sync are kept (``anchor``)."""
+        if state["step"].item() == group["warmup_steps"]:
+            _floor_frozen_variance(state["exp_avg_sq"])
+        state["step"] += 1
+        if not bool(torch.isfinite(momentum).all()):  # this rank's own: it skips alone, the schedule goes on
+            self._counters["local_skipped"] += 1
+            return
+        if group["warmup_steps"] > 0:
+            momentum = momentum * _seen_in_warmup(state["exp_avg_sq"])
+        if "anchor" not in state:
+            state["anchor"] = p.detach().float().clone()
+            state["local_update"] = torch.zeros_like(state["exp_avg"])
+            state["local_step_sizes"] = torch.tensor(0.0, dtype=torch.float32)
+        step_size = self._step_size(group, state)
+        state["exp_avg"].copy_(momentum)
+        state["local_update"].add_(momentum, alpha=step_size)
+        state["local_step_sizes"] += step_size
+        beta1, beta2 = group["betas"]
+        warm = group["warmup_steps"]
+        self._update(group, p, state, 1 - beta1 ** state["step"].item(), 1 - beta2**warm if warm > 0 else 1.0)
 
     # ------------------------------------------------------------------ internals
     def _begin(self):
@@ -430,7 +535,8 @@ class CompressedAdam(torch.optim.Optimizer):
             shapes = ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"])
             groups.append(f"lr={g['lr']} betas={tuple(g['betas'])} eps={g['eps']} weight_decay={g['weight_decay']} "
                           f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
-        return f"{self.codec.spec}; " + "; ".join(groups)
+        schedule = "" if self.sync_every == 1 else f"sync_every={self.sync_every} ramp={self.sync_ramp_steps}; "
+        return f"{self.codec.spec}; {schedule}" + "; ".join(groups)
 
     def _pieces(self):
         """(G, this rank's local rank, N) when the exchange cuts parameters into 1/G pieces (hierarchical, not
@@ -587,9 +693,11 @@ class OneBitAdam(CompressedAdam):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, topology="auto"):
+                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, topology="auto",
+                 sync_every: int = 1, sync_ramp_steps: int = 0):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                         process_group=process_group, codec=CODEC_SPEC, topology=topology)
+                         process_group=process_group, codec=CODEC_SPEC, topology=topology, sync_every=sync_every,
+                         sync_ramp_steps=sync_ramp_steps)
 
 
-__all__ = ["CompressedAdam", "OneBitAdam"]
+__all__ = ["CompressedAdam", "OneBitAdam", "sync_due"]
