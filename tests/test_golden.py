@@ -8,10 +8,13 @@ Float results depend on the CPU's vector width (reduction order in torch's and o
 per ``torch.backends.cpu.get_cpu_capability()``: ``golden.json`` (AVX512, where they were first recorded) and
 ``golden-AVX2.json`` (recorded on an AVX2 machine from e64906d, the landed main whose results matched
 ``golden.json`` on AVX512, before the HSDP work). On a CPU class with no recorded file the comparison is skipped, saying so.
+Cases added since a class's file was recorded (int2, chunked top-k: recorded on AVX2 only) are compared where
+recorded and named in a warning elsewhere.
 """
 
 import json
 import os
+import warnings
 
 import pytest
 
@@ -44,6 +47,11 @@ def test_results_are_bit_for_bit_the_recorded_ones(digests, world):
     with open(GOLDEN) as f:
         expected = {k: v for k, v in json.load(f).items() if k.startswith(f"W{world}/")}
     got = {k: v for k, v in digests.items() if k.startswith(f"W{world}/")}
-    assert set(got) == set(expected)
+    assert set(expected) <= set(got), f"recorded cases no longer run: {sorted(set(expected) - set(got))}"
+    unrecorded = sorted(set(got) - set(expected))
+    if unrecorded:  # cases added on another CPU class: their digests for this one are still to be recorded
+        warnings.warn(f"golden: no {CAPABILITY} digests for {', '.join(unrecorded)}; record them on such a machine")
+    if CAPABILITY == "AVX2":  # the class this suite's cases were last recorded on: every case must be there
+        assert not unrecorded, unrecorded
     changed = sorted(k for k in expected if got[k] != expected[k])
     assert not changed, f"results changed for: {', '.join(changed)}"
