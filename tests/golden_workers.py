@@ -3,7 +3,7 @@
 Every case trains the tests' MLP for ``STEPS`` steps on 2 or 4 gloo workers and digests, in order, the averaged
 gradients of every step, the final parameters and the compressor's (or optimizer's) state dict. Cases cover every
 codec of ``gradcompress.available()`` through the DDP hook and ``synchronize``, plus FSDP, DiLoCo, 1-bit Adam and
-CompressedAdam, with error feedback, momentum correction, server error feedback, telemetry, bfloat16 residuals and
+CompressedAdam and DeMo, with error feedback, momentum correction, server error feedback, telemetry, bfloat16 residuals and
 a non-finite step (rank W-1's loss times Inf at ``BAD_STEP``: the step must be skipped everywhere).
 
 ``python tests/golden_workers.py`` prints the digests as JSON (``tests/golden.json`` holds the recorded ones).
@@ -23,7 +23,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 import gradcompress  # noqa: E402
-from gradcompress.optim import CompressedAdam, DiLoCo, OneBitAdam  # noqa: E402
+from gradcompress.optim import CompressedAdam, DeMo, DiLoCo, OneBitAdam  # noqa: E402
 from workers import batch, make_model  # noqa: E402
 
 STEPS = 20
@@ -58,6 +58,7 @@ CODEC_CASES = [
     ("int8-allgather", "int8", {"collective": "allgather"}),
     ("int2", "int2", {}),
     ("topk-chunk-int2", "topk:ratio=0.05,chunk=64,values=int2", {}),
+    ("dct", "dct:chunk=16,topk=8", {}),
 ]
 
 #: (spec, register_fsdp options)
@@ -66,6 +67,8 @@ FSDP_CASES = [("none", {}), ("fp16", {}), ("int8", {}), ("int4", {}), ("sign", {
               ("sign", {"momentum": 0.9}), ("int8", {"residual_dtype": torch.bfloat16})]
 DILOCO_CASES = ["none", "int8", "int4", "topk:ratio=0.05", "powersgd:rank=2"]
 ADAM_CASES = ["onebitadam", "topk:ratio=0.05", "int8", "powersgd:rank=2"]
+#: DeMo's options (chunk 16: the MLP's matrices in 2-D blocks, its biases in 1-D chunks)
+DEMO_CASES = [{"chunk": 16, "topk": 8}, {"chunk": 16, "topk": 8, "sign": False, "weight_decay": 0.1}]
 
 
 class Digest:
@@ -192,6 +195,20 @@ def adam_case(rank, world, codec) -> str:
     return d.hex()
 
 
+def demo_case(rank, world, options) -> str:
+    d = Digest()
+    model = make_model()
+    opt = DeMo(model.parameters(), lr=1e-2, **options)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, world, step).backward()
+        opt.step()
+        d.add(list(model.parameters()))
+    d.add(opt.state_dict())
+    d.add([opt.bytes_sent(), opt.stats()["skipped"]])
+    return d.hex()
+
+
 def all_cases(rank, world) -> dict:
     out = {}
     for name, spec, options in CODEC_CASES:
@@ -203,6 +220,8 @@ def all_cases(rank, world) -> dict:
         out[f"W{world}/diloco/{codec}"] = diloco_case(rank, world, codec)
     for codec in ADAM_CASES:
         out[f"W{world}/adam/{codec}"] = adam_case(rank, world, codec)
+    for options in DEMO_CASES:
+        out[f"W{world}/demo/{sorted(options.items())}"] = demo_case(rank, world, options)
     # every rank's digest counts (FSDP's shards and DiLoCo's local steps differ by rank)
     everyone = [None] * world
     dist.all_gather_object(everyone, out)

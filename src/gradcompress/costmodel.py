@@ -45,7 +45,7 @@ import re
 from typing import Sequence
 
 from .exchanges.layout import chunk_numel, fills_buckets, whole_group_elements
-from .scheme import BASELINES, ONEBITADAM, Scheme
+from .scheme import BASELINES, DECOUPLED, ONEBITADAM, Scheme
 from .scheme import parse_scheme as _parse_scheme
 
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
@@ -141,8 +141,8 @@ def parse_scheme(text: str) -> Scheme:
     """``ddp``, ``torch-fp16``, ``torch-powersgd[:rank=R]`` or a codec spec (:func:`gradcompress.scheme.parse_scheme`:
     Compressor options by name, ``diloco=H``, which the model ignores); ``ValueError`` otherwise."""
     scheme = _parse_scheme(text)
-    if scheme.kind == ONEBITADAM:
-        raise ValueError(f"the cost model has no model of {ONEBITADAM!r} (an optimizer that exchanges its own "
+    if scheme.kind in (ONEBITADAM, DECOUPLED):
+        raise ValueError(f"the cost model has no model of {scheme.kind!r} (an optimizer that exchanges its own "
                          f"momentum); schemes: {', '.join(BASELINES)} or a codec spec")
     return scheme
 

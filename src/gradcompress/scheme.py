@@ -9,6 +9,7 @@ A *scheme* names what one training run or benchmark row uses to average gradient
     "topk:ratio=0.01,values=int8,compressed_adam=true"   CompressedAdam (Adam's momentum through the codec)
     "onebitadam:warmup_steps=30"                    OneBitAdam with its own options
     "onebitadam:sync_every=4"                       ... with local steps: a sync every 4th step after the freeze
+    "decoupled:topk=32,chunk=64"                    DeMo (decoupled momentum) with its own options
     "ddp", "torch-fp16", "torch-powersgd:rank=4"    PyTorch's baselines (netbench, plan, the cost model)
 
 :func:`parse_scheme` reads any of them into one frozen :class:`Scheme`; every mistake is
@@ -36,6 +37,10 @@ ONEBITADAM = "onebitadam"
 #: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam; numbers); ``sync_every`` and
 #: ``sync_ramp_steps``: local steps after the freeze (0/1 Adam's idea, :class:`gradcompress.optim.CompressedAdam`)
 ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps", "sync_every", "sync_ramp_steps")
+DECOUPLED = "decoupled"
+#: options a ``decoupled:key=value,...`` scheme may set (passed to :class:`gradcompress.optim.DeMo`): numbers,
+#: ``sign`` true/false, ``values`` a codec for the kept values (``bf16``)
+DECOUPLED_OPTIONS = ("lr", "momentum_decay", "chunk", "topk", "sign", "weight_decay", "values")
 #: PyTorch's own DDP schemes (netbench runs them, the cost model predicts them)
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 #: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync), ``compressed_adam=true`` and
@@ -59,7 +64,7 @@ class Scheme:
     """One parsed scheme (see the module docstring); build it with :func:`parse_scheme`.
 
     ``kind`` is ``"ours"`` (a codec for our Compressor, DiLoCo or CompressedAdam),
-    ``"onebitadam"``, ``"ddp"``, ``"torch-fp16"`` or ``"torch-powersgd"``.
+    ``"onebitadam"``, ``"decoupled"``, ``"ddp"``, ``"torch-fp16"`` or ``"torch-powersgd"``.
     """
 
     text: str  # the scheme as given, stripped
@@ -72,6 +77,7 @@ class Scheme:
     adam_options: tuple = ()  # onebitadam: OneBitAdam's options given in the scheme, as (name, value)
     outer: str | None = None  # ours with diloco: DiLoCo's outer update (DILOCO_OUTERS), None: not given (nesterov)
     outer_lr: float | None = None  # ours with diloco: DiLoCo's outer learning rate, None: the outer's default
+    demo_options: tuple = ()  # decoupled: DeMo's options given in the scheme, as (name, value)
 
     @property
     def label(self) -> str:
@@ -87,6 +93,11 @@ class Scheme:
     def adam(self) -> dict:
         """OneBitAdam's options given in the scheme, by name."""
         return dict(self.adam_options)
+
+    @property
+    def demo(self) -> dict:
+        """DeMo's options given in the scheme, by name."""
+        return dict(self.demo_options)
 
     def canonical(self) -> str:
         """The scheme with the codec's every option spelled out (``int4:bucket=512,stochastic=false,diloco=25``);
@@ -126,6 +137,8 @@ def parse_scheme(text: str) -> Scheme:
         return _torch_powersgd(text)
     if name == ONEBITADAM:
         return _onebitadam(text)
+    if name == DECOUPLED:
+        return _decoupled(text)
     return _ours(text)
 
 
@@ -151,6 +164,29 @@ def _onebitadam(text: str) -> Scheme:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"onebitadam: {k} must be a number, got {v!r}")
     return Scheme(text, ONEBITADAM, adam_options=tuple(opts.items()))
+
+
+def _decoupled(text: str) -> Scheme:
+    """``decoupled[:lr=..,momentum_decay=..,chunk=..,topk=..,sign=..,weight_decay=..,values=..]`` (DeMo)."""
+    opts = parse(text)
+    opts.pop("name")
+    bad = [k for k in opts if k not in DECOUPLED_OPTIONS]
+    if bad:
+        raise ValueError(f"decoupled: unknown option {bad[0]!r}; options of decoupled: {', '.join(DECOUPLED_OPTIONS)}")
+    for k, v in opts.items():
+        if k == "sign":
+            if not isinstance(v, bool):
+                raise ValueError(f"decoupled: sign must be true or false, got {v!r}")
+        elif k == "values":
+            try:
+                opts[k] = make(v).spec  # a codec name or {spec}
+            except ValueError as err:
+                raise ValueError(f"decoupled: values: {err}") from None
+        elif k in ("chunk", "topk") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"decoupled: {k} must be an integer >= 1, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"decoupled: {k} must be a number, got {v!r}")
+    return Scheme(text, DECOUPLED, demo_options=tuple(opts.items()))
 
 
 def _ours(text: str) -> Scheme:
@@ -281,7 +317,7 @@ def merge_compressor_options(from_spec: Mapping[str, Any], keywords: Mapping[str
     return {**from_spec, **keywords}
 
 
-__all__ = ["BASELINES", "COMPRESSOR_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
+__all__ = ["BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
            "SCHEME_COMPRESSOR_OPTIONS", "SCHEME_OPTIONS", "Scheme", "check_diloco", "codec_options",
            "compressor_value", "merge_compressor_options", "parse_scheme", "scheme_name",
            "split_compressor_options", "unknown_option_message"]

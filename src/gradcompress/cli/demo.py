@@ -28,6 +28,10 @@ the biased codecs, off for ``none``, ``fp16`` and the unbiased ``qsgd``/``terngr
 * ``onebitadam``                        1-bit Adam (dense Adam warm-up for the first 20 % of
   the steps, then sign-compressed momentum with error feedback), lr 1e-3, default eps
   (``--lr`` does not apply to it; set ``onebitadam:lr=...,eps=...,warmup_steps=...``).
+* ``decoupled``                         (not in the default list) DeMo, decoupled momentum
+  (:class:`gradcompress.optim.DeMo`: top-32 DCT coefficients per 64 x 64 block of each worker's momentum
+  all-gathered, sign steps), the paper's defaults, lr 1e-3 (lm 3e-3, AdamW's); ``--lr`` does not apply to it:
+  set ``decoupled:lr=...,topk=...,chunk=...,momentum_decay=...,sign=...,weight_decay=...,values=...``.
 * ``<codec>:compressed_adam=true``       (not in the default list) the same optimizer with that codec for
   the momentum, :class:`gradcompress.optim.CompressedAdam` (e.g. ``topk:ratio=0.01,compressed_adam=true``).
 
@@ -46,7 +50,7 @@ import time
 
 from .common import nonnegative_int, positive_float, positive_int, split_schemes  # noqa: F401
 from .report import plot
-from .task import (ONEBITADAM, TASK_NAMES, TASKS, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
+from .task import (DECOUPLED, ONEBITADAM, TASK_NAMES, TASKS, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
                    onebitadam_problem, scheme_name, summarize)
 
 DEFAULT_SCHEMES = (
@@ -80,7 +84,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "accuracy. Writes results.json and report.png into --out. Defaults took 140 s on 2 CPU "
                     "cores shared with other jobs (README).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs) or 'onebitadam'. A spec "
+        epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs), 'onebitadam' or 'decoupled' "
+               "(DeMo). A spec "
                "contains commas, so separate schemes with ';' or repeat the option:\n"
                "  gradcompress demo --schemes 'none;topk:ratio=0.01,values=int8'\n"
                "  gradcompress demo --schemes none --schemes topk:ratio=0.01,values=int8\n"
@@ -104,7 +109,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="minibatch per worker (default 32 digits, 16 windows of 64 bytes for lm)")
     p.add_argument("--lr", type=positive_float, default=None,
                    help="learning rate (default 0.05 SGD for digits, 3e-3 AdamW for lm; onebitadam uses 1e-3 "
-                        "(lm 3e-3) unless its spec sets lr, e.g. onebitadam:lr=0.002)")
+                        "(lm 3e-3) unless its spec sets lr, e.g. onebitadam:lr=0.002; so does decoupled)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=5,
                    help="dense steps before compression starts (Compressor warmup_steps, default 5)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
@@ -184,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     batch_size = args.batch_size or (16 if args.task == "lm" else 32)
     configs = [RunConfig(scheme=s, steps=args.steps, batch_size=batch_size,
-                         lr=None if scheme_name(s) == ONEBITADAM else args.lr,  # Adam keeps its own lr
+                         lr=None if scheme_name(s) in (ONEBITADAM, DECOUPLED) else args.lr,  # their own lr
                          warmup_steps=args.warmup_steps, seed=args.seed, task=args.task,
                          monitor_every=MONITOR_EVERY) for s in schemes]
     data = TASKS[args.task].load(args.seed)

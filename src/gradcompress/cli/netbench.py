@@ -56,7 +56,7 @@ import statistics
 import sys
 import time
 
-from ..scheme import ONEBITADAM, Scheme, parse_scheme
+from ..scheme import DECOUPLED, ONEBITADAM, Scheme, parse_scheme
 from . import netbench_fsdp
 from .common import CLIError, human_bytes, one_line, positive_int, split_schemes, table_lines
 
@@ -242,7 +242,7 @@ def _check_scheme(text: str, fsdp: bool, nodes: bool = False) -> str:
         return NOSEND
     try:
         scheme = parse_scheme(text)
-        if scheme.kind == ONEBITADAM:
+        if scheme.kind in (ONEBITADAM, DECOUPLED):
             raise CLIError(_unknown_scheme(text))
         if scheme.compressed_adam:
             raise ValueError(f"{scheme.text}: compressed_adam=true trains with CompressedAdam, which netbench does "

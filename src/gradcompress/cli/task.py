@@ -12,7 +12,7 @@
   communication hook and trained with SGD with momentum; ``dgc`` schemes use SGD
   without momentum because DGC's momentum correction lives in the compressor. The
   scheme ``onebitadam`` uses :class:`gradcompress.optim.OneBitAdam` on the bare model
-  (it averages gradients itself, so no DDP).
+  (it averages gradients itself, so no DDP); ``decoupled`` uses :class:`gradcompress.optim.DeMo` the same way.
 * Recorded per step: the minibatch loss, the cumulative ``stats()['wire_bytes']`` and
   the step's wall time; at the end: the loss over the whole training split and the
   test accuracy (rank 0).
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..scheme import BASELINES, ONEBITADAM, ONEBITADAM_OPTIONS, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme, \
+from ..scheme import BASELINES, DECOUPLED, ONEBITADAM, ONEBITADAM_OPTIONS, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme, \
     parse_scheme, scheme_name  # noqa: F401  (re-exported for the CLI)
 from .common import CLIError, check_out_dir, human_bytes, one_line  # noqa: F401  (re-exported for the CLI)
 
@@ -89,8 +89,11 @@ class RunConfig:
         return parse_run_scheme(self.scheme)
 
     def kind(self) -> str:
-        """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges) or ``"sgd"`` (a Compressor hook)."""
+        """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges), ``"decoupled"`` (DeMo, which
+        exchanges too) or ``"sgd"`` (a Compressor hook)."""
         scheme = self.parsed()
+        if scheme.kind == DECOUPLED:
+            return DECOUPLED
         return ONEBITADAM if scheme.kind == ONEBITADAM or scheme.compressed_adam else "sgd"
 
     def compressor(self):
@@ -116,7 +119,7 @@ class RunConfig:
 
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
-        if self.kind() == ONEBITADAM:
+        if self.kind() != "sgd":
             return False
         codec, options = self.compressor()
         return options.get("momentum", 0) > 0 or (codec.carries_momentum and codec.momentum > 0)
@@ -135,12 +138,25 @@ class RunConfig:
             opts["topology"] = self.topology
         return opts
 
+    def demo_options(self) -> dict:
+        """Keyword arguments of DeMo: the scheme's, with the lr of the task's Adam (3e-3 lm, 1e-3 digits: DeMo's
+        sign steps are per-coordinate steps like Adam's) unless the scheme or ``lr`` sets it."""
+        opts = self.parsed().demo
+        opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
+        if self.topology != "auto":
+            opts["topology"] = self.topology
+        return opts
+
     def learning_rate(self) -> float:
         if self.kind() == ONEBITADAM:
             return float(self.onebitadam_options()["lr"])
+        if self.kind() == DECOUPLED:
+            return float(self.demo_options()["lr"])
         return self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 0.05)
 
     def optimizer_text(self) -> str:
+        if self.kind() == DECOUPLED:
+            return demo_text(self.demo_options(), self.task == "lm")
         if self.kind() == ONEBITADAM:
             o = self.onebitadam_options()
             extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay", "sync_every", "sync_ramp_steps")
@@ -164,11 +180,26 @@ class RunConfig:
         return f"{outer}SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
 
 
+def demo_text(options: dict, cosine: bool) -> str:
+    """``DeMo(lr=0.003, momentum_decay=0.999, chunk=64, topk=32, sign=True, weight_decay=0)``: every option as the
+    run uses it (the scheme's, else DeMo's defaults)."""
+    import inspect
+
+    from ..optim import DeMo
+
+    defaults = {k: v.default for k, v in inspect.signature(DeMo).parameters.items() if k != "params"}
+    shown = {k: options.get(k, defaults[k]) for k in ("lr", "momentum_decay", "chunk", "topk", "sign", "weight_decay")}
+    if options.get("values") is not None:
+        shown["values"] = options["values"]
+    text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+    return f"DeMo({text}{', cosine' if cosine else ''})"
+
+
 def valid_schemes() -> str:
     """The scheme names demo and train take, for error messages."""
     import gradcompress
 
-    return ", ".join(gradcompress.available() + [ONEBITADAM])
+    return ", ".join(gradcompress.available() + [ONEBITADAM, DECOUPLED])
 
 
 def parse_run_scheme(scheme: str) -> Scheme:
@@ -214,6 +245,16 @@ def check_scheme(scheme: str) -> str:
 
     parsed = parse_run_scheme(scheme)
     if parsed.kind == ONEBITADAM:
+        return parsed.text
+    if parsed.kind == DECOUPLED:
+        import torch
+
+        from ..optim import DeMo
+
+        try:
+            DeMo([torch.zeros(1, requires_grad=True)], **parsed.demo)  # checks every option's value
+        except (ValueError, TypeError) as err:
+            raise CLIError(one_line(err)) from None
         return parsed.text
     try:
         gradcompress.Compressor(parsed.codec, **parsed.compressor)  # checks the Compressor's options too
@@ -327,7 +368,15 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     batches = task.batches(data, rank, world, cfg)
     kind = cfg.kind()
     scheduler = None
-    if kind == ONEBITADAM:
+    if kind == DECOUPLED:
+        from ..optim import DeMo
+
+        for p in model.parameters():  # identical start everywhere (already so by the seed)
+            dist.broadcast(p.data, src=0)
+        opt = DeMo(model.parameters(), **cfg.demo_options())
+        net, stats_of = model, opt.stats
+        scheduler = task.scheduler(opt, cfg)  # lm: the same cosine decay as AdamW's
+    elif kind == ONEBITADAM:
         from ..optim import CompressedAdam
 
         for p in model.parameters():  # identical start everywhere (already so by the seed)
@@ -378,7 +427,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             progress.put((index, step + 1))
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
                               "step_seconds": step_times, "stats": stats_of()}
-    if kind != ONEBITADAM:
+    if kind == "sgd":
         record["stats"]["error_feedback"] = comp.error_feedback
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
         record.update(task.evaluate(model, data, losses))
@@ -510,7 +559,8 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
     step_seconds = sum(sum(r["step_seconds"]) for r in records) / len(records)
     codec = stats.get("codec_seconds")
     cum = r0["cumulative_bytes"]
-    w = cfg.warmup_steps if cfg.kind() != ONEBITADAM else cfg.onebitadam_options()["warmup_steps"]
+    kind = cfg.kind()
+    w = cfg.warmup_steps if kind == "sgd" else cfg.onebitadam_options()["warmup_steps"] if kind == ONEBITADAM else 0
     steady = None
     if wire is not None and cum and None not in cum and steps > w:
         steady = (cum[-1] - (cum[w - 1] if w > 0 else 0)) / (steps - w)
@@ -523,7 +573,7 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "steps": steps,
         "batch_size": cfg.batch_size,
         "warmup_steps": w,
-        "error_feedback": stats.get("error_feedback") if cfg.kind() != ONEBITADAM else None,
+        "error_feedback": stats.get("error_feedback") if kind == "sgd" else None,
         "bytes_per_step": wire / steps if wire is not None and steps else None,
         "bytes_per_step_compressed": steady,
         "param_bytes_per_step": stats.get("param_bytes", 0) / steps if steps else None,

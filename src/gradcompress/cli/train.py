@@ -17,7 +17,7 @@ import json
 import os
 
 from .common import nonnegative_int, positive_float, positive_int
-from .task import (ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes,
+from .task import (DECOUPLED, ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes,
                    is_adam_scheme, onebitadam_problem, scheme_name, split_scheme, summarize, train_worker, TASKS)
 
 
@@ -31,15 +31,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  gradcompress train --codec topk:ratio=0.01 --steps 300\n"
                "  gradcompress train --codec onebitadam\n"
+               "  gradcompress train --task lm --codec decoupled:topk=32,chunk=64\n"
                "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --codec powersgd:rank=2")
     p.add_argument("--codec", required=True, metavar="SPEC",
-                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2) or onebitadam; "
+                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2), onebitadam or decoupled (DeMo); "
                         "Compressor options may follow the codec's (sign:momentum=0.9 is sign with momentum "
                         "correction, the optimizer then runs without momentum); "
                         "CODEC,compressed_adam=true trains with CompressedAdam (Adam's momentum through the codec)")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam)")
+                   help="learning rate (default 0.05 for SGD; 1e-3 for onebitadam and decoupled, lm 3e-3)")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="local worker processes when not under torchrun (default 2)")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
@@ -85,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         problem = onebitadam_problem()
         if problem:
             raise CLIError(problem)
+    if (args.fsdp or args.diloco) and scheme_name(args.codec) == DECOUPLED:
+        raise CLIError("--fsdp and --diloco do not apply to decoupled (DeMo averages each worker's unsharded "
+                       "momentum components itself, every step)")
     if args.fsdp and is_adam_scheme(args.codec):
         raise CLIError("--fsdp does not apply to onebitadam or compressed_adam=true (they average unsharded "
                        "momenta themselves)")

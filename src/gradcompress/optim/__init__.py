@@ -10,9 +10,14 @@ worker- and server-side error feedback.
 :class:`DiLoCo`: low-communication training (Douillard et al., 2023): H local steps of any
 inner optimizer, then the outer gradient averaged through a Compressor (any codec) and
 applied by an outer optimizer (SGD with Nesterov momentum).
+
+:class:`DeMo`: decoupled momentum (Peng et al., 2024): each worker keeps its own momentum, sends only its top-k
+DCT coefficients per chunk (all-gathered), removes what it sent from its momentum, and steps with the sign of the
+workers' mean.
 """
 
+from .decoupled import DeMo
 from .diloco import DiLoCo
 from .onebit_adam import CompressedAdam, OneBitAdam
 
-__all__ = ["CompressedAdam", "DiLoCo", "OneBitAdam"]
+__all__ = ["CompressedAdam", "DeMo", "DiLoCo", "OneBitAdam"]
