@@ -30,21 +30,17 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import topology as topology_mod
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
 from ..spec import make
+from .exchanging import local_collectives, params_text
 
 #: the learning rate of the paper's OLMo runs (sign updates)
 DEFAULT_LR = 4e-4
 #: parameter dtypes DeMo accepts (the momentum is float32 for all of them)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _initialised() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _number(name: str, value, lo: float, hi: float | None = None, hi_open: bool = False) -> float:
@@ -277,12 +273,10 @@ class DeMo(torch.optim.Optimizer):
     def _begin(self):
         """Open a step of the Compressor that carries the exchange (made at the first step)."""
         if self._compressor is None:
-            if self.process_group is not None and not _initialised():
-                raise RuntimeError("DeMo: a process_group was given but torch.distributed is not initialised")
+            self._local = local_collectives("DeMo", self.process_group)
             # the momentum is the error-feedback buffer: the Compressor keeps none of its own
             self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=False,
                                           server_error_feedback=False, min_numel=0, topology=self.topology)
-            self._local = None if _initialised() else LocalCollectives(1)
         step = self._compressor.begin_step(self._local)
         if self._compressor.hierarchy is not None:
             step.abort()
@@ -297,7 +291,7 @@ class DeMo(torch.optim.Optimizer):
     def _config(self) -> str:
         groups = []
         for g in self.param_groups:
-            shapes = ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"])
+            shapes = params_text(g["params"])
             groups.append(f"lr={g['lr']} momentum_decay={g['momentum_decay']} weight_decay={g['weight_decay']} "
                           f"sign={g['sign']} params=[{shapes}]")
         return f"{self.codec.spec}; " + "; ".join(groups)

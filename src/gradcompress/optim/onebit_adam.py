@@ -96,7 +96,6 @@ from itertools import chain
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import topology as topology_mod
 from ..collectives import LocalCollectives
@@ -104,6 +103,7 @@ from ..compressor import Compressor
 from ..exchanges.hierarchical import piece_key, piece_numel
 from ..exchanges.layout import chunk_numel
 from ..spec import make
+from .exchanging import local_collectives, params_text
 
 #: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
 CODEC_SPEC = "sign:bucket=512"
@@ -120,10 +120,6 @@ SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q"
 
 
 # ------------------------------------------------------------------------ validation
-def _initialised() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _real(name: str, value, who: str = "OneBitAdam") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{who}: {name} must be a number, got {value!r}")
@@ -513,16 +509,13 @@ class CompressedAdam(torch.optim.Optimizer):
     def _begin(self):
         """Open a step of the Compressor that carries the exchange (made at the first step)."""
         if self._compressor is None:
-            if self.process_group is not None and not _initialised():
-                raise RuntimeError(f"{type(self).__name__}: a process_group was given but torch.distributed is not "
-                                   "initialised")
+            # without torch.distributed: the documented single process (the same code, nothing sent)
+            self._local = local_collectives(type(self).__name__, self.process_group)
             feedback = self.codec.wants_error_feedback
             self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
                                           server_error_feedback=feedback, min_numel=0, topology=self.topology)
             slots = self._compressor.state.slots
             slots.update({slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
-            # without torch.distributed: the documented single process (the same code, nothing sent)
-            self._local = None if _initialised() else LocalCollectives(1)
         step = self._compressor.begin_step(self._local)
         if not self._checked:
             step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")
@@ -532,7 +525,7 @@ class CompressedAdam(torch.optim.Optimizer):
     def _config(self) -> str:
         groups = []
         for g in self.param_groups:
-            shapes = ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"])
+            shapes = params_text(g["params"])
             groups.append(f"lr={g['lr']} betas={tuple(g['betas'])} eps={g['eps']} weight_decay={g['weight_decay']} "
                           f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
         schedule = "" if self.sync_every == 1 else f"sync_every={self.sync_every} ramp={self.sync_ramp_steps}; "
