@@ -6,7 +6,12 @@ codec of ``gradcompress.available()`` through the DDP hook and ``synchronize``, 
 CompressedAdam and DeMo, with error feedback, momentum correction, server error feedback, telemetry, bfloat16 residuals and
 a non-finite step (rank W-1's loss times Inf at ``BAD_STEP``: the step must be skipped everywhere).
 
-``python tests/golden_workers.py`` prints the digests as JSON (``tests/golden.json`` holds the recorded ones).
+``python tests/golden_workers.py --record`` records the digests of this machine into ``tests/golden/``, keyed by
+:func:`fingerprint` (float results depend on more than the CPU's vector width: the CPU's vendor and model, which
+kernels MKL dispatches to, the torch build); ``python tests/golden_workers.py`` prints them as JSON.
+
+A Compressor's configuration text (``state_dict()["config"]``) is not digested: it is a description, checked by the
+tests of the configuration, not a result; everything computed (gradients, parameters, state tensors, counters) is.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import re
 import sys
 
 import torch
@@ -86,6 +93,8 @@ class Digest:
             for k in sorted(obj, key=str):
                 if k == "world" and "config" in obj:  # a Compressor state's world size: the case's W, added
                     continue  # after the digests were recorded; everything they covered is still covered
+                if k == "config" and isinstance(obj[k], str):  # a description of the options, not a result
+                    continue
                 self.h.update(str(k).encode())
                 self.add(obj[k])
         elif isinstance(obj, (list, tuple)):
@@ -228,14 +237,79 @@ def all_cases(rank, world) -> dict:
     return {k: hashlib.sha256(" ".join(e[k] for e in everyone).encode()).hexdigest() for k in out}
 
 
-def record() -> dict:
+def record_world(world: int) -> dict:
     from gradcompress import launch
 
+    return launch.run(all_cases, world, timeout=900)[0]
+
+
+def record() -> dict:
     out = {}
     for world in (2, 4):
-        out.update(launch.run(all_cases, world, timeout=900)[0])
+        out.update(record_world(world))
     return out
 
 
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+
+
+def _cpuinfo() -> dict:
+    """The first processor's vendor, model and flags from /proc/cpuinfo (empty elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def fingerprint() -> dict:
+    """What float results here depend on: the CPU (vendor, model, flags), torch's version, vector width and BLAS."""
+    cpu = _cpuinfo()
+    config = torch.__config__.show()
+    blas = sorted(set(re.findall(r"(?:BLAS_INFO|LAPACK_INFO)=\w+", config)))
+    mkl = re.findall(r"Math Kernel Library Version [^\n]*", config)
+    return {"machine": platform.machine(), "vendor": cpu.get("vendor_id", platform.processor()),
+            "model": cpu.get("model name", ""), "family": cpu.get("cpu family", ""), "cpu_model": cpu.get("model", ""),
+            "flags": hashlib.sha256(" ".join(sorted(cpu.get("flags", "").split())).encode()).hexdigest()[:16],
+            "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+            "blas": blas, "mkl": mkl}
+
+
+def fingerprint_id(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def recorded_for(fp: dict) -> tuple[str, dict] | None:
+    """(path, digests) of the recording made on a machine with fingerprint ``fp``, or None."""
+    path = os.path.join(GOLDEN_DIR, f"{fingerprint_id(fp)}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return (path, data["digests"]) if data["fingerprint"] == fp else None
+
+
+def save(digests: dict, commit: str) -> str:
+    fp = fingerprint()
+    path = os.path.join(GOLDEN_DIR, f"{fingerprint_id(fp)}.json")
+    os.makedirs(GOLDEN_DIR, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"fingerprint": fp, "recorded_at": commit, "digests": digests}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return path
+
+
 if __name__ == "__main__":
-    print(json.dumps(record(), indent=1, sort_keys=True))
+    if sys.argv[1:2] == ["--record"]:
+        import subprocess
+
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        print(save(record(), head))
+    else:
+        print(json.dumps(record(), indent=1, sort_keys=True))

@@ -1,18 +1,14 @@
-"""Bit-for-bit golden results (recorded on main before the exchange redesign, see tests/golden_workers.py).
+"""Bit-for-bit golden results (see tests/golden_workers.py): a refactor must leave every digest unchanged.
 
-A refactor must leave every digest unchanged. A change that alters results on purpose (e.g. a new noise generator
-of the stochastic codecs) re-records the affected digests in a commit of its own that says so:
-``python tests/golden_workers.py > tests/golden.json``.
-
-Float results depend on the CPU's vector width (reduction order in torch's and our kernels), so the digests are kept
-per ``torch.backends.cpu.get_cpu_capability()``: ``golden.json`` (AVX512, where they were first recorded) and
-``golden-AVX2.json`` (recorded on an AVX2 machine from e64906d, the landed main whose results matched
-``golden.json`` on AVX512, before the HSDP work). On a CPU class with no recorded file the comparison is skipped, saying so.
-Cases added since a class's file was recorded (int2, chunked top-k: recorded on AVX2 only) are compared where
-recorded and named in a warning elsewhere.
+Float results depend on more than the CPU's vector width (two AVX512 machines, one Intel and one AMD, gave different
+digests from the same commit: MKL dispatches by vendor), so recorded digests are kept per machine fingerprint
+(``golden_workers.fingerprint()``: CPU vendor, model and flags, torch's version, vector width and BLAS) in
+``tests/golden/<id>.json``. Where this machine's fingerprint was recorded, every recorded case must give the same
+digest; elsewhere the comparison is skipped with a one-line reason (record from a commit known good with
+``python tests/golden_workers.py --record``, then compare after the change). A change that alters results on
+purpose re-records the affected digests in a commit of its own that says so.
 """
 
-import json
 import os
 import warnings
 
@@ -20,16 +16,8 @@ import pytest
 
 import golden_workers
 
-import torch
-
-HERE = os.path.dirname(__file__)
-CAPABILITY = torch.backends.cpu.get_cpu_capability()
-GOLDEN = os.path.join(HERE, "golden.json" if CAPABILITY == "AVX512" else f"golden-{CAPABILITY}.json")
-
-
-@pytest.fixture(scope="module")
-def digests():
-    return golden_workers.record()
+FINGERPRINT = golden_workers.fingerprint()
+RECORDED = golden_workers.recorded_for(FINGERPRINT)
 
 
 def test_golden_cases_cover_every_codec():
@@ -39,19 +27,25 @@ def test_golden_cases_cover_every_codec():
     assert specs == set(available())
 
 
+def test_a_fingerprint_names_its_own_recording_only():
+    other = dict(FINGERPRINT, vendor="AuthenticAMD" if FINGERPRINT["vendor"] != "AuthenticAMD" else "GenuineIntel")
+    assert golden_workers.fingerprint_id(other) != golden_workers.fingerprint_id(FINGERPRINT)
+    assert golden_workers.recorded_for(other) is None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_results_are_bit_for_bit_the_recorded_ones(digests, world):
-    if not os.path.exists(GOLDEN):
-        pytest.skip(f"no golden digests recorded for this CPU class ({CAPABILITY}): record them from a commit "
-                    f"known good with python tests/golden_workers.py > {os.path.relpath(GOLDEN, HERE)}")
-    with open(GOLDEN) as f:
-        expected = {k: v for k, v in json.load(f).items() if k.startswith(f"W{world}/")}
-    got = {k: v for k, v in digests.items() if k.startswith(f"W{world}/")}
+def test_results_are_bit_for_bit_the_recorded_ones(world):
+    if RECORDED is None:
+        pytest.skip(f"no golden digests recorded on this machine ({FINGERPRINT['vendor']} {FINGERPRINT['model']}, "
+                    f"{FINGERPRINT['capability']}, torch {FINGERPRINT['torch']}): record them from a commit known good "
+                    "with python tests/golden_workers.py --record")
+    path, recorded = RECORDED
+    got = golden_workers.record_world(world)
+    expected = {k: v for k, v in recorded.items() if k.startswith(f"W{world}/")}
     assert set(expected) <= set(got), f"recorded cases no longer run: {sorted(set(expected) - set(got))}"
     unrecorded = sorted(set(got) - set(expected))
-    if unrecorded:  # cases added on another CPU class: their digests for this one are still to be recorded
-        warnings.warn(f"golden: no {CAPABILITY} digests for {', '.join(unrecorded)}; record them on such a machine")
-    if CAPABILITY == "AVX2":  # the class this suite's cases were last recorded on: every case must be there
-        assert not unrecorded, unrecorded
+    if unrecorded:
+        warnings.warn(f"golden: {os.path.basename(path)} has no digests for {', '.join(unrecorded)}; re-record")
     changed = sorted(k for k in expected if got[k] != expected[k])
     assert not changed, f"results changed for: {', '.join(changed)}"
