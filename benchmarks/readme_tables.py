@@ -1,14 +1,16 @@
-"""The README's demo tables from a demo's ``results.json``, so README and results cannot drift (issue 24).
+"""The documentation's demo tables from a demo's ``results.json``, so pages and results cannot drift (issue 24).
 
 Prints the table ``gradcompress demo`` printed for that run (the demo's own
 :func:`gradcompress.cli.demo.format_table`, digits or ``--task lm`` alike) in a fenced block, after
-the run's figures as the README's heading gives them (workers, steps, seconds)::
+the run's figures as the page's heading gives them (workers, steps, seconds). The digits table lives in
+``docs/demo.md``, the LM table in ``docs/accuracy.md`` (they were the README's until the README became a
+front page; ``tests/test_readme.py`` finds whichever page holds each)::
 
-    python benchmarks/readme_tables.py docs/demo-results.json                    # print
-    python benchmarks/readme_tables.py docs/demo-results.json --check README.md  # exit 1 if README differs
-    python benchmarks/readme_tables.py docs/demo-results.json --write README.md  # replace README's block
+    python benchmarks/readme_tables.py docs/demo-results.json                       # print
+    python benchmarks/readme_tables.py docs/demo-results.json --check docs/demo.md  # exit 1 if the page differs
+    python benchmarks/readme_tables.py docs/lm-demo-results.json --write docs/accuracy.md  # replace its block
 
-The README's block is the fenced block whose first line has the table's header words (the digits and
+The page's block is the fenced block whose first line has the table's header words (the digits and
 the LM tables differ there: ``test acc`` / ``val loss``); the figures must appear in the heading above it.
 """
 
@@ -26,7 +28,7 @@ BLOCKS = re.compile(r"^```\w*\n(.*?)^```$", re.S | re.M)
 
 
 def figures(result: dict) -> str:
-    """The run as the README's heading names it, e.g. ``4 workers, 250 steps, 140 s``."""
+    """The run as the page's heading names it, e.g. ``4 workers, 250 steps, 140 s``."""
     task = result["task"]
     return f"{task['workers']} workers, {task['steps']} steps, {result['wall_seconds']:.0f} s"
 
@@ -45,7 +47,7 @@ def find_block(text: str, header: str) -> tuple[int, int]:
 
 
 def problems(text: str, result: dict) -> list[str]:
-    """What in ``text`` (the README) disagrees with ``result``; empty if nothing."""
+    """What in ``text`` (the page holding the table) disagrees with ``result``; empty if nothing."""
     want = block(result)
     try:
         start, end = find_block(text, want.split("\n")[1])
@@ -64,8 +66,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a results.json written by gradcompress demo")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--check", metavar="README", help="exit 1 if README's table or heading differs")
-    mode.add_argument("--write", metavar="README", help="replace README's table with the results' one")
+    mode.add_argument("--check", metavar="PAGE", help="exit 1 if the page's table or heading differs")
+    mode.add_argument("--write", metavar="PAGE", help="replace the page's table with the results' one")
     args = p.parse_args(argv)
     with open(args.results) as f:
         result = json.load(f)

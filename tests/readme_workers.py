@@ -1,4 +1,4 @@
-"""Worker for tests/test_readme.py: runs one README snippet on every rank of a gloo group.
+"""Worker for tests/test_readme.py: runs one snippet of README.md or a docs/ page on every rank of a gloo group.
 
 The snippet's placeholders (``model``, ``loader``, ``loss_fn``, ``optimizer``, ``compressor``) are bound to
 tiny real objects (:func:`placeholders`).
