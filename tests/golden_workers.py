@@ -62,7 +62,6 @@ CODEC_CASES = [
     ("topk-bf16-residual", "topk:ratio=0.05", {"residual_dtype": torch.bfloat16}),
     ("int8-bf16-residual", "int8", {"residual_dtype": torch.bfloat16}),
     ("topk-schedule", "topk:ratio=0.05", {"schedule": "exp", "ramp_steps": 6}),
-    ("int8-allgather", "int8", {"collective": "allgather"}),
     ("int2", "int2", {}),
     ("topk-chunk-int2", "topk:ratio=0.05,chunk=64,values=int2", {}),
     ("dct", "dct:chunk=16,topk=8", {}),

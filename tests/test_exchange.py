@@ -161,22 +161,3 @@ def test_compressor_object_is_a_valid_ddp_hook():
     results = launch.run(workers.compressor_as_hook, 2, "topk:ratio=0.05", timeout=TIMEOUT)
     for as_object, as_method in results:
         assert _close(as_object, as_method)
-
-
-OVERLAP_SPECS = ["int8", "sign", "topk:ratio=0.05", "threshold:value=0.01", "dgc:ratio=0.05", "powersgd:rank=2",
-                 "powersgd:rank=1,alternate=true", "fp16"]
-
-
-def test_overlap_changes_nothing_but_the_order_of_rounds():
-    """The DDP hook advancing earlier buckets' rounds during the backward pass (overlap=True)
-    gives bit for bit the gradients of overlap=False, with many buckets, every kind of exchange (two-step,
-    gather with sizes first, PowerSGD's two rounds), on 3 gloo ranks."""
-    results = launch.run(workers.overlap_pair, 3, OVERLAP_SPECS, timeout=TIMEOUT)
-    for r in results:
-        assert all(r[s] for s in OVERLAP_SPECS), r
-
-
-def test_overlap_must_agree_across_ranks():
-    results = launch.run(workers.overlap_mismatch, 2, timeout=TIMEOUT)
-    for text in results:
-        assert text is not None and "overlap=True" in text and "overlap=False" in text, text

@@ -69,7 +69,7 @@ def codec_matrix(rank, world, specs, steps=3):
 
 def expected_wire_bytes(world, codec, grads, min_numel):
     """Bytes one synchronize() step (the first) should send, from the payloads' sizes and the ring formulas."""
-    from gradcompress import exchange
+    from gradcompress.exchanges.layout import chunk_numel
     from gradcompress.codecs.base import Aggregation
     from gradcompress.step import mix_seed
 
@@ -107,7 +107,7 @@ def expected_wire_bytes(world, codec, grads, min_numel):
         rest = [g.numel() for g in big if (-g.numel()) % codec.bucket > 0.01 * g.numel()]
         buckets = sum(-(-n // codec.bucket) for n in whole)
         chunk_bytes = codec.wire_nbytes(-(-buckets // world) * codec.bucket) if whole else 0
-        chunk_bytes += sum(codec.wire_nbytes(exchange.chunk_numel(n, world, 8)) for n in rest)
+        chunk_bytes += sum(codec.wire_nbytes(chunk_numel(n, world, 8)) for n in rest)
         total += 2 * (world - 1) * chunk_bytes
     else:  # PowerSGD: one all-reduce of every P (n x r), one of every Q (m x r), float32
         shapes = [codec.matrix_shape(g.shape) for g in big]
@@ -317,23 +317,3 @@ def compressor_as_hook(rank, world, spec):
             nn.functional.cross_entropy(ddp(x), y).backward()
         results.append([p.grad.clone() for p in model.parameters()])
     return results
-
-
-def overlap_pair(rank, world, specs):
-    """Per spec: whether DDP with many buckets gives bit for bit the same gradients with ``overlap`` on and off,
-    and how many buckets the model had."""
-    out = {}
-    for spec in specs:
-        on = ddp_steps(rank, world, spec, 3, 0.005, {"min_numel": 256, "overlap": True})
-        off = ddp_steps(rank, world, spec, 3, 0.005, {"min_numel": 256, "overlap": False})
-        out[spec] = all(torch.equal(x, y) for a, b in zip(on["grads"], off["grads"]) for x, y in zip(a, b))
-    return out
-
-
-def overlap_mismatch(rank, world):
-    """Rank 0 overlaps, the others do not: the first step must fail on every rank, naming the setting."""
-    try:
-        ddp_steps(rank, world, "int8", 1, 0.005, {"min_numel": 256, "overlap": rank == 0})
-    except RuntimeError as err:
-        return str(err)
-    return None

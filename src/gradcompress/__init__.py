@@ -9,7 +9,7 @@ from .codecs import Aggregation, Codec, Payload
 from .compressor import Compressor
 from .adapters.ddp import register_ddp_hook
 from .adapters.fsdp import register_fsdp
-from .adapters.params import broadcast_parameters
+from .params import broadcast_parameters
 from .spec import available, make
 from . import optim
 

@@ -5,7 +5,7 @@ and resumes when they have completed. :func:`drive` advances several jobs round 
 created, so every rank issues the same collectives in the same order (no collective is ever launched from a
 future callback, which is how PyTorch's ``powerSGD_hook`` deadlocks on gloo), while the first round of each job
 overlaps with whatever the caller does before driving (the backward pass, in the DDP hook). :func:`parallel` runs
-several jobs as one; :class:`Running` is a job launched early (its first round in flight).
+several jobs as one; :class:`Running` is a job launched early (its first round in flight), timed.
 
 Byte accounting (``Collectives.wire_bytes``) counts what this rank transmits under
 bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
@@ -190,23 +190,53 @@ class LocalCollectives(Collectives):
         return [extra] * self.world
 
 
-def drive(jobs: list[Job], comm: Collectives) -> None:
-    """Run jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
-    pending = []
-    for job in jobs:
+def one_job(jobs: list[Job]) -> Job:
+    """The jobs as one: the job itself when there is one (no wrapper level), :func:`parallel` for two or more."""
+    if len(jobs) == 1:
+        return jobs[0]
+    return parallel(jobs)
+
+
+class Running:
+    """A launched job: made from a job, it runs the job to its first round (whose collectives are then in flight).
+
+    :meth:`advance` waits for them and runs the job to its next round. ``timer``: an object whose
+    ``codec_seconds`` receives the time spent in the job's own code (encode, decode, state updates)."""
+
+    def __init__(self, job: Job, timer=None):
+        self.job, self.timer = job, timer
+        self.works: list | None = None
+        self._resume()
+
+    def _resume(self) -> None:
+        """Run the job to its next round (its works, or None when it has finished)."""
+        start = time.perf_counter()
         try:
-            pending.append((job, next(job)))
+            self.works = self.job.send(None)
         except StopIteration:
-            pass
+            self.works = None
+        if self.timer is not None:
+            self.timer.codec_seconds += time.perf_counter() - start
+
+    def advance(self, comm: "Collectives") -> None:
+        if self.works is None:
+            return
+        comm.wait(self.works)
+        self._resume()
+
+
+def finish(running: list[Running], comm: Collectives) -> None:
+    """Run launched jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
+    pending = [r for r in running if r.works is not None]
     while pending:
-        still = []
-        for job, works in pending:
-            comm.wait(works)
-            try:
-                still.append((job, job.send(None)))
-            except StopIteration:
-                pass
-        pending = still
+        for r in pending:
+            r.advance(comm)
+        pending = [r for r in pending if r.works is not None]
+
+
+def drive(jobs: list[Job], comm: Collectives, timer=None) -> None:
+    """Run jobs to completion: each issues its first round, in the order given, then :func:`finish`."""
+    finish([Running(job, timer) for job in jobs], comm)
 
 
 def parallel(jobs: list[Job]) -> Job:
@@ -225,36 +255,5 @@ def parallel(jobs: list[Job]) -> Job:
         active = still
 
 
-class Running:
-    """A launched job: made from a job, it runs the job to its first round (whose collectives are then in
-    flight).
-
-    :meth:`advance` waits for them and runs the job to its next round (whose collectives are then
-    in flight); :meth:`rest` is a job that continues from wherever it stands.
-    """
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.works = next(job, None)
-
-    def _resume(self) -> None:
-        """Run the job to its next round (its works, or None when it has finished)."""
-        try:
-            self.works = self.job.send(None)
-        except StopIteration:
-            self.works = None
-
-    def advance(self, comm: "Collectives") -> None:
-        if self.works is None:
-            return
-        comm.wait(self.works)
-        self._resume()
-
-    def rest(self) -> Job:
-        while self.works is not None:
-            yield self.works
-            self._resume()
-
-
-__all__ = ["Collectives", "Done", "Job", "LocalCollectives", "Running", "drive", "floats", "from_bytes", "layout",
-           "nbytes", "parallel", "to_bytes"]
+__all__ = ["Collectives", "Done", "Job", "LocalCollectives", "Running", "drive", "finish", "floats", "from_bytes", "layout",
+           "nbytes", "one_job", "parallel", "to_bytes"]

@@ -30,10 +30,11 @@ class StepMonitor:
         """Keep ``x`` (a copy where it is the gradient's own storage, which the result overwrites)."""
         self.refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
 
-    def exact_mean(self, comm, flat: torch.Tensor) -> Job:
-        """The exact average of ``flat``, as a job (counted in ``monitor_bytes``)."""
+    def exact_mean(self, comm, flat: torch.Tensor, divisor: int) -> Job:
+        """The exact average of ``flat`` (its sum over the group divided by ``divisor``), as a job (counted in
+        ``monitor_bytes``)."""
         yield [comm.all_reduce(flat, monitor=True)]
-        flat.div_(comm.world)
+        flat.div_(divisor)
 
     def record(self, keys, exact: torch.Tensor, outs: list[torch.Tensor]) -> None:
         """Per key: squared error, squared norms and dot product of the delivered against the exact average."""

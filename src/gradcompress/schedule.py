@@ -7,6 +7,8 @@
   codecs with a ``rank`` (powersgd) start at 8x the rank and come down exponentially.
 * a codec's own schedule (:meth:`Codec.at_step`, e.g. DGC's sparsity warm-up) applies
   on top: the denser of the two wins.
+
+A step's codecs are a :class:`Plan` (key -> codec); the schedules above give every key the same one.
 """
 
 from __future__ import annotations
@@ -51,3 +53,32 @@ def codec_at(codec: Codec, step: int, warmup_steps: int, schedule: str | None, r
             if rank != own.rank:
                 changes["rank"] = rank
     return dataclasses.replace(own, **changes) if changes else own
+
+
+class Plan:
+    """The codec of each state key at one step (None: dense): ``default`` for every key not in ``per_key``.
+
+    Warm-up and the schedules give every key the same codec (:func:`plan_at`); a plan that differs per key (per
+    bucket) is what a decision per tensor fills. :meth:`groups` splits a group of keys by codec, in first-seen order
+    (the same on every rank for the same plan)."""
+
+    def __init__(self, default: Codec | None, per_key: dict | None = None):
+        self.default, self.per_key = default, dict(per_key or {})
+
+    def codec(self, key) -> Codec | None:
+        return self.per_key.get(key, self.default)
+
+    def groups(self, keys) -> list[tuple[Codec | None, list[int]]]:
+        """[(codec, positions in ``keys``)], one entry per distinct codec."""
+        if not self.per_key:
+            return [(self.default, list(range(len(keys))))]
+        out: dict = {}
+        for i, k in enumerate(keys):
+            codec = self.codec(k)
+            out.setdefault(None if codec is None else codec.spec, (codec, []))[1].append(i)
+        return list(out.values())
+
+
+def plan_at(config, step: int) -> Plan:
+    """The uniform plan of step ``step`` under ``config``'s codec, warm-up and schedule."""
+    return Plan(codec_at(config.codec, step, config.warmup_steps, config.schedule, config.ramp_steps))

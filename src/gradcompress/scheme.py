@@ -50,11 +50,10 @@ SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr")
 DILOCO_OUTERS = ("nesterov", "sparseloco")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
 COMPRESSOR_OPTIONS = ("error_feedback", "server_error_feedback", "momentum", "warmup_steps", "min_numel", "seed",
-                      "collective", "schedule", "ramp_steps", "residual_dtype", "monitor_every", "overlap", "topology",
-                      "intra_node")
+                      "schedule", "ramp_steps", "residual_dtype", "monitor_every", "topology", "intra_node")
 #: the Compressor options a scheme may set (``sign:momentum=0.9``); the CLI sets warm-up, seed and telemetry itself
 SCHEME_COMPRESSOR_OPTIONS = ("momentum", "error_feedback", "server_error_feedback", "min_numel", "schedule",
-                             "ramp_steps", "overlap", "topology", "intra_node")
+                             "ramp_steps", "topology", "intra_node")
 #: ``residual_dtype=NAME`` in a spec string: the torch dtype names it may give
 RESIDUAL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

@@ -5,8 +5,8 @@ A compressed tensor goes through, per parameter::
     grad -> clip -> momentum correction -> + worker residual -> codec -> collective
          -> (chunk owner: + server residual -> re-encode) -> decode -> averaged gradient
 
-Each stage is a small frozen dataclass in the manner of optax's transformations: ``init(x) -> state`` and
-``update(x, state) -> (x', new_state)`` before the codec; the stages that remember what compression delivered
+Each stage is a small frozen dataclass in the manner of optax's transformations: ``update(x, state) -> (x',
+new_state)`` before the codec (a stage's state starts as None: nothing to initialise); the stages that remember what compression delivered
 (error feedback: residual' = sent - delivered; masked momentum: u cleared where something was delivered) have one
 more pure function for that. Nothing here mutates its inputs or keeps state of its own.
 
@@ -37,9 +37,6 @@ class Clip:
     clip: float
     world: int
 
-    def init(self, x: torch.Tensor):
-        return None
-
     def update(self, x: torch.Tensor, state=None):
         norm = torch.linalg.vector_norm(x)
         return x * (self.clip / (math.sqrt(self.world) * norm + 1e-12)).clamp(max=1.0), state
@@ -60,9 +57,6 @@ class MomentumCorrection:
     momentum: float
     masking: bool = False
     slot = "momentum"
-
-    def init(self, g: torch.Tensor):
-        return None
 
     def update(self, g: torch.Tensor, u: torch.Tensor | None):
         u = g.clone() if u is None else u * self.momentum + g
@@ -86,9 +80,6 @@ class ErrorFeedback:
     """
 
     dtype: torch.dtype = torch.float32
-
-    def init(self, x: torch.Tensor):
-        return None
 
     def update(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None):
         """x + residual (into ``out`` when given: a buffer of x's shape and dtype that aliases neither)."""

@@ -1,8 +1,7 @@
-"""The DistributedDataParallel communication hook itself (no Compressor import: ``Compressor.register`` and
-``Compressor.__call__`` use it, :mod:`gradcompress.adapters.ddp` builds on it).
+"""The DistributedDataParallel communication hook itself (:mod:`gradcompress.adapters.ddp` builds on it).
 
-``register_ddp_hook(model, "int8")`` or ``Compressor(...).register(model)`` installs
-:func:`hook` with the Compressor as its state. For each bucket DDP hands over, the hook
+``register_ddp_hook(model, "int8")`` or ``register_ddp_hook(model, compressor)`` installs :func:`hook` with the
+Compressor as its state (``ddp_model.register_comm_hook(compressor, hook)`` is the same). For each bucket DDP hands over, the hook
 opens the step if none is open, asks the step for the bucket's exchange and launches
 it (its first round of collectives is issued now, overlapping the rest of the backward
 pass); at the last bucket it finishes the step: every bucket's remaining rounds are
@@ -20,15 +19,10 @@ import torch
 import torch.distributed as dist
 
 
-def _same_group(a, b) -> bool:
-    world = dist.group.WORLD
-    return (a if a is not None else world) is (b if b is not None else world)
-
-
 def require_ddp(model) -> None:
     """``TypeError`` naming what is required, for a model that is not ``DistributedDataParallel``."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"gradcompress: register_ddp_hook / Compressor.register need a "
+        raise TypeError(f"gradcompress: register_ddp_hook needs a "
                         f"torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; wrap it: "
                         "DistributedDataParallel(model) (after torch.distributed.init_process_group), or, without "
                         "DDP, call compressor.synchronize(model.parameters()) after each backward")
@@ -37,13 +31,7 @@ def require_ddp(model) -> None:
 def register(compressor, ddp_model):
     """Install ``compressor`` as ``ddp_model``'s communication hook, on the DDP model's process group."""
     require_ddp(ddp_model)
-    group = getattr(ddp_model, "process_group", None)
-    if compressor.process_group is None:
-        compressor.process_group = group
-    elif not _same_group(compressor.process_group, group):
-        raise ValueError("gradcompress: the Compressor's process_group is not the group the DDP model averages "
-                         "over (DistributedDataParallel(..., process_group=...)); pass the same group, or none "
-                         "to use the DDP model's")
+    compressor.bind(getattr(ddp_model, "process_group", None))
     compressor.index_parameters(ddp_model.module.parameters())
     ddp_model.register_comm_hook(compressor, hook)
     return compressor

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Aggregation
+from ..collectives import finish
 from ..compressor import FSDP_KEY_PREFIX, Compressor
 from ..topology import Topology
 from .fsdp_params import CompressedAllGather, param_codec
@@ -91,16 +92,40 @@ class CompressedReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` through the compressor's step. ``async_op=True``:
+        the first round is issued now and the returned ``Work``'s ``wait()`` completes it (so is the step's end,
+        whichever comes first); else it completes before returning (None)."""
         comp = self.compressor
         if comp.process_group is None:
-            comp.process_group = group
+            comp.bind(group)
         step, end_now = _backward_step(comp)
         with step.guarded(end=end_now):
             if dist.get_world_size(group) != step.comm.world:
                 raise ValueError("gradcompress FSDP: the reduce-scatter group differs from the Compressor's "
                                  "process group")
-            step.drive([step.reduce_scatter(self.key, input_tensor, output_tensor, _scale(op, step.comm.world))])
+            job = step.reduce_scatter(self.key, input_tensor, output_tensor, _scale(op, step.comm.world))
+            if async_op and not end_now:
+                return _LaunchedWork(step, step.launch(job))
+            step.drive([job])
         return None
+
+
+class _LaunchedWork(dist.Work):
+    """The ``Work`` of a launched reduce-scatter: ``wait()`` drives it to completion (the same order on every
+    rank: FSDP waits in program order)."""
+
+    def __init__(self, step, running):
+        super().__init__()
+        self.step, self.running = step, running
+
+    def wait(self, timeout=None) -> bool:
+        if self.running.works is not None:
+            with self.step.guarded(end=False):
+                finish([self.running], self.step.comm)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.running.works is None
 
 
 class ReplicaAllReduce:
@@ -133,7 +158,7 @@ def _end_after_backward(step) -> bool:
     callback, queued earlier, which may still reduce-scatter). False outside a backward pass."""
     def end():
         if step.open:
-            step.end()
+            step.finish()  # drives what was launched (async reduce-scatters not waited for), then ends
 
     try:
         torch.autograd.Variable._execution_engine.queue_callback(end)

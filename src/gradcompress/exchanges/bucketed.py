@@ -38,10 +38,11 @@ class _Layout:
 
 
 def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
-                           reencode, finish) -> Job:
+                           reencode, finish, divisor: int) -> Job:
     """The rounds: ``codes``/``scales`` are this rank's payload of the group (W equal chunks of whole buckets,
-    chunk j for rank j); ``reencode(mean_chunk)`` gives this rank's chunk's codes and scales;
-    ``finish(codes, scales)`` decodes the gathered payload. Each rank sends about twice its compressed size."""
+    chunk j for rank j); ``reencode(mean_chunk)`` gives this rank's chunk's codes and scales (the sum of its W
+    payloads divided by ``divisor``); ``finish(codes, scales)`` decodes the gathered payload. Each rank sends about
+    twice its compressed size."""
     world = comm.world
     got_codes, w1 = comm.all_to_all(codes)
     got_scales, w2 = comm.all_to_all(scales)
@@ -54,7 +55,7 @@ def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor,
         theirs = Payload((got_codes[i * cn : (i + 1) * cn], got_scales[i * sn : (i + 1) * sn]), shape,
                          torch.float32, None, codes.device)
         (codec.accumulate_into if i else codec.decode_into)(theirs, total)
-    mine_codes, mine_scales = reencode(total.div_(world))
+    mine_codes, mine_scales = reencode(total.div_(divisor))
     all_codes, w1 = comm.all_gather_flat(mine_codes)
     all_scales, w2 = comm.all_gather_flat(mine_scales)
     yield [w1, w2]
@@ -62,12 +63,15 @@ def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor,
 
 
 class BucketedExchange:
-    """One payload for the group's tensors (see the module docstring)."""
+    """One payload for the group's tensors (see the module docstring); ``check``: read finiteness from the
+    gathered scales."""
 
-    def __init__(self, comm: Collectives, codec: Codec):
-        self.comm, self.codec = comm, codec
+    def __init__(self, comm: Collectives, codec: Codec, check: bool):
+        self.comm, self.codec, self.check = comm, codec, check
 
-    def job(self, ctx, keys, inputs, outs, check: bool) -> Job:
+    def job(self, ctx, keys, inputs, outs) -> Job:
+        """Encodes now; the job is the two rounds (:func:`bucketed_two_step_mean`)."""
+        check = self.check
         codec, device, world = self.codec, inputs[0].device, self.comm.world
         lay = _Layout(codec, inputs, world)
         group = tuple(keys)
@@ -89,8 +93,9 @@ class BucketedExchange:
                 c, s = lay.place(all_codes, all_scales, lay.first[t], x.numel())
                 codec.decode_into(Payload((c, s), x.shape, torch.float32, None, device), out)
 
-        yield from bucketed_two_step_mean(self.comm, codec, codes, scales,
-                                          lambda mean: self._reencode(ctx, lay, group, keys, inputs, mean), finish)
+        return bucketed_two_step_mean(self.comm, codec, codes, scales,
+                                      lambda mean: self._reencode(ctx, lay, group, keys, inputs, mean), finish,
+                                      ctx.divisor)
 
     def _reencode(self, ctx, lay: _Layout, group, keys, inputs, mean: torch.Tensor):
         """This rank's chunk of the averaged group, re-encoded tensor piece by tensor piece."""

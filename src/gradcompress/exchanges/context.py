@@ -49,14 +49,15 @@ class Context:
 
     ``state``: the committed :class:`~gradcompress.step.State`; ``workspace``: persistent scratch buffers (never
     state); ``seed``: the compressor's seed; ``index``: the step's schedule position; ``rank``: this rank in the
-    group the step averages over; ``residual_dtype``: the residuals' storage type; ``monitor``: the step's
+    group the step averages over; ``residual_dtype``: the residuals' storage type; ``divisor``: what the mean
+    divides by (the session's: the group's size, or the live workers of a quorum); ``monitor``: the step's
     telemetry (:class:`gradcompress.monitor.StepMonitor`) or None.
     """
 
     def __init__(self, state, workspace: dict, seed: int, index: int, rank: int, residual_dtype: torch.dtype,
-                 monitor=None):
+                 monitor=None, divisor: int = 1):
         self.state, self.workspace, self.base_seed, self.index = state, workspace, seed, index
-        self.rank, self.residual_dtype, self.monitor = rank, residual_dtype, monitor
+        self.rank, self.residual_dtype, self.monitor, self.divisor = rank, residual_dtype, monitor, divisor
         self.new: dict = {}  # (slot, key) -> new state, committed by the step's end
         self.owned: dict = {}  # key -> this step's error-fed input, a buffer of ours (the new residual's home)
         self.checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
@@ -84,10 +85,11 @@ class Context:
         if values is not None:
             self.check(all_finite(values))
 
-    def apart(self) -> "ChecksApart":
-        """This context with its finiteness checks kept apart (for an exchange run on a sub-group, whose checks
-        hold on that sub-group only and are propagated by the exchange that wraps it)."""
-        return ChecksApart(self)
+    def apart(self, divisor: int) -> "ChecksApart":
+        """This context with its finiteness checks kept apart, dividing by ``divisor`` (for an exchange run on a
+        sub-group: its checks hold on that sub-group only and are propagated by the exchange that wraps it, and its
+        mean is over that sub-group)."""
+        return ChecksApart(self, divisor)
 
     def seed(self, key: Hashable, codec, salt: int = 0, shared: bool = False) -> int:
         """The seed of ``key``'s encode at this step (shared by every rank for shared-seed codecs, or ``shared``)."""
@@ -124,10 +126,11 @@ class Context:
 
 class ChecksApart:
     """A :class:`Context` whose :meth:`check` collects into its own ``checks`` (everything else is the step's
-    context's): what an inner exchange found finite on its sub-group, which the wrapping exchange propagates."""
+    context's but ``divisor``): what an inner exchange found finite on its sub-group, which the wrapping exchange
+    propagates."""
 
-    def __init__(self, ctx: Context):
-        self._ctx = ctx
+    def __init__(self, ctx: Context, divisor: int):
+        self._ctx, self.divisor = ctx, divisor
         self.checks: list[torch.Tensor] = []
 
     def __getattr__(self, name: str):

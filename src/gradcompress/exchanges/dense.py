@@ -13,23 +13,27 @@ from .context import all_finite
 from .layout import IN_PLACE_NUMEL, flat_cat, scatter
 
 
-def dense_mean(comm: Collectives, flat: torch.Tensor) -> Job:
-    """All-reduce ``flat`` in place and divide by the world size."""
+def dense_mean(comm: Collectives, flat: torch.Tensor, divisor: int) -> Job:
+    """All-reduce ``flat`` in place and divide by ``divisor``."""
     if flat.numel():
         yield [comm.all_reduce(flat)]
-        flat.div_(comm.world)
+        flat.div_(divisor)
 
 
 class DenseExchange:
-    """Averages tensors uncompressed: large contiguous ones where they lie, the others through one flat buffer
-    (or the caller's ``buffer``, DDP's bucket, which holds them all)."""
+    """Averages tensors uncompressed, in place (the outputs are the inputs), after momentum correction where it is
+    on: large contiguous ones where they lie, the others through one flat buffer (or ``buffer``, DDP's bucket,
+    which holds them all). ``monitored``: the step's telemetry also records these tensors (exact, no error);
+    None: whenever the step is monitored."""
 
-    def __init__(self, comm: Collectives):
-        self.comm = comm
+    def __init__(self, comm: Collectives, buffer: torch.Tensor | None = None, monitored: bool | None = None):
+        self.comm, self.buffer, self.monitored = comm, buffer, monitored
 
-    def job(self, ctx, keys, grads: list[torch.Tensor], buffer: torch.Tensor | None, monitored: bool) -> Job:
-        """The job; ``monitored``: the step's telemetry also records these tensors (exact, no error)."""
-        comm = self.comm
+    def job(self, ctx, keys, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Job:
+        if ctx.transforms.momentum is not None:
+            for k, g in zip(keys, grads):
+                ctx.transforms.dense(k, g)
+        comm, buffer, divisor = self.comm, self.buffer, ctx.divisor
         if buffer is None and ctx.monitor is None:  # large contiguous tensors are all-reduced where they lie
             where = [g.numel() >= IN_PLACE_NUMEL and g.is_contiguous() for g in grads]
             big = [g for g, w in zip(grads, where) if w]
@@ -37,7 +41,7 @@ class DenseExchange:
                 rest = [g for g, w in zip(grads, where) if not w]
                 flat = flat_cat(rest) if rest else None
                 parts = big + ([flat] if flat is not None else [])
-                yield from parallel([dense_mean(comm, t) for t in parts])
+                yield from _all(comm, parts, divisor)
                 ctx.check(torch.stack([all_finite(t) for t in parts]).all())
                 if flat is not None:
                     scatter(flat, rest)
@@ -45,14 +49,26 @@ class DenseExchange:
         flat = buffer if buffer is not None else flat_cat(grads) if grads else None
         if flat is None or not flat.numel():
             return
+        monitored = ctx.monitor is not None if self.monitored is None else self.monitored
         exact = flat.float().clone() if monitored else None
-        jobs = [dense_mean(comm, flat)] + ([ctx.monitor.exact_mean(comm, exact)] if exact is not None else [])
-        yield from parallel(jobs)
+        if exact is None:
+            yield from dense_mean(comm, flat, divisor)
+        else:
+            yield from parallel([dense_mean(comm, flat, divisor), ctx.monitor.exact_mean(comm, exact, divisor)])
         ctx.check(all_finite(flat))
         if buffer is None:
             scatter(flat, grads)
         if exact is not None:
             ctx.monitor.record(keys, exact, [g.float() for g in grads])
+
+
+def _all(comm: Collectives, parts: list[torch.Tensor], divisor: int) -> Job:
+    """All-reduce each of ``parts`` in one round and divide each by ``divisor``."""
+    parts = [t for t in parts if t.numel()]
+    if parts:
+        yield [comm.all_reduce(t) for t in parts]
+        for t in parts:
+            t.div_(divisor)
 
 
 __all__ = ["DenseExchange", "dense_mean"]

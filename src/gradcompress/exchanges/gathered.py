@@ -1,5 +1,4 @@
-"""The gathered exchange, for sparsifiers (``Aggregation.GATHER``: top-k, threshold, DGC; any codec with
-``collective="allgather"``).
+"""The gathered exchange, for sparsifiers (``Aggregation.GATHER``: top-k, threshold, DGC).
 
 What is sent: every rank's whole payload to every other rank ((W-1) times its size; sizes first when they vary,
 threshold and DGC), each decoded and added at its positions, then divided by W. Biased (what is not kept is
@@ -77,22 +76,24 @@ def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list) -> No
 
 
 def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
-                received: Callable[[list[Payload]], None] | None = None) -> Job:
-    """All-gather every rank's payloads (sizes first if they vary), decode each, average into ``outs``.
-    ``received(payloads)`` is called with every rank's payloads (the same on every rank)."""
+                received: Callable[[list[Payload]], None] | None = None, divisor: int | None = None) -> Job:
+    """All-gather every rank's payloads (sizes first if they vary), decode each, add them into ``outs`` and divide
+    by ``divisor`` (default: the group's size). ``received(payloads)`` is called with every rank's payloads (the
+    same on every rank)."""
+    divisor = divisor or comm.world
     gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None)
     for out in outs:
         out.zero_()
     seen, divided = [], set()  # outs already divided by W (where anything was added)
     if codec.fixed_layout and codec.gathers_stacked and len(gathered) > 1:
-        _add_stacked(codec, payloads, gathered, outs, comm.world, seen, divided)
+        _add_stacked(codec, payloads, gathered, outs, divisor, seen, divided)
     else:
         _add_each(codec, payloads, gathered, layouts, outs, seen)
     if received is not None:
         received(seen)
     for out in outs:
         if id(out) not in divided:
-            out.div_(comm.world)
+            out.div_(divisor)
 
 
 class GatheredExchange:
@@ -102,13 +103,15 @@ class GatheredExchange:
 
     def __init__(self, comm: Collectives, codec: Codec):
         self.comm, self.codec = comm, codec
+        self.check = codec.preserves_nonfinite  # finiteness read from the received values and scales
 
-    def job(self, ctx, keys, inputs, outs, check: bool) -> Job:
+    def job(self, ctx, keys, inputs, outs) -> Job:
+        """Encodes now; the job is the all-gather and the sum (:func:`gather_mean`)."""
         codec = self.codec
         payloads = [ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.GATHER)[0]
                     for k, x in zip(keys, inputs)]
-        yield from gather_mean(self.comm, codec, payloads, outs,
-                               (lambda seen: ctx.check_values(floats(seen))) if check else None)
+        return gather_mean(self.comm, codec, payloads, outs,
+                           (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor)
 
 
 __all__ = ["GatheredExchange", "gather_mean"]

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..codecs.base import Aggregation, Codec
-from ..collectives import Collectives, Job, parallel
+from ..collectives import Collectives, Job, one_job
 from .context import all_finite
 from .dense import dense_mean
 from .gathered import GatheredExchange
@@ -23,8 +23,9 @@ from .summed import SummedExchange
 from .twostep import TwoStepExchange
 
 
-def algebra_exchange(comm: Collectives, codec: Codec, aggregation: Aggregation, seed: int):
-    """The exchange of ``codec``'s payloads that ``aggregation`` allows, on ``comm``."""
+def algebra_exchange(comm: Collectives, codec: Codec, seed: int):
+    """The exchange of ``codec``'s payloads that its aggregation allows, on ``comm``."""
+    aggregation = codec.aggregation
     if aggregation is Aggregation.SUM:
         return SummedExchange(comm, codec)
     if aggregation is Aggregation.GATHER:
@@ -35,10 +36,13 @@ def algebra_exchange(comm: Collectives, codec: Codec, aggregation: Aggregation, 
 
 
 class GroupExchange:
-    """Small tensors dense with a finiteness flag, the others through ``inner`` (an algebra's exchange)."""
+    """Small tensors dense with a finiteness flag, the others through ``inner`` (an algebra's exchange); in place
+    (the outputs are the inputs). ``dense_keys``: keys sent dense whatever their size (pieces of small tensors, as
+    the hierarchical exchange cuts them)."""
 
-    def __init__(self, comm: Collectives, codec: Codec, inner, min_numel: int):
+    def __init__(self, comm: Collectives, codec: Codec, inner, min_numel: int, dense_keys=frozenset()):
         self.comm, self.codec, self.inner, self.min_numel = comm, codec, inner, min_numel
+        self.dense_keys = dense_keys
 
     def _split(self, keys, grads, dense_keys):
         dense, comp = [], []
@@ -65,10 +69,8 @@ class GroupExchange:
         ok = ([] if ride else [all_finite(x) for x in inputs]) + [all_finite(g) for _, g in dense]
         return torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
 
-    def job(self, ctx, keys, grads, dense_keys=frozenset()) -> Job:
-        """The job; ``dense_keys``: keys sent dense whatever their size (pieces of small tensors, as the hierarchical
-        exchange cuts them)."""
-        dense, comp = self._split(keys, grads, dense_keys)
+    def job(self, ctx, keys, grads, outs) -> Job:
+        dense, comp = self._split(keys, grads, self.dense_keys)
         if ctx.transforms.momentum is not None:
             for k, g in dense:
                 ctx.transforms.dense(k, g)
@@ -80,18 +82,19 @@ class GroupExchange:
         # results land in the gradients themselves where nothing reads the inputs after the result is written
         # (beyond the summed path only for float32 gradients, so that sums round as before)
         direct = [g.is_contiguous() and (summed or g.dtype == x.dtype) for x, (_, g) in zip(inputs, comp)]
-        outs = [g if d else torch.empty_like(x) for d, x, (_, g) in zip(direct, inputs, comp)]
+        results = [g if d else torch.empty_like(x) for d, x, (_, g) in zip(direct, inputs, comp)]
         ride = self.codec.preserves_nonfinite
         flagged = bool(dense) or not ride
-        jobs = [dense_mean(self.comm, dense_flat)] if flagged else []
-        if comp:
-            jobs.append(self.inner.job(ctx, [k for k, _ in comp], inputs, outs, ride))
         exact = None
         if ctx.monitor is not None and comp:  # telemetry: the exact average of the same tensors, counted apart
-            exact = torch.cat([ctx.monitor.refs.pop(k).reshape(-1) for k, _ in comp])
-            jobs.append(ctx.monitor.exact_mean(self.comm, exact))
-        yield from parallel(jobs)
-        self._land(ctx, dense, comp, outs, dense_flat, exact, flagged)
+            exact = torch.cat([ctx.monitor.refs.pop(k).reshape(-1) for k, _ in comp])  # before anything encodes
+        jobs = [dense_mean(self.comm, dense_flat, ctx.divisor)] if flagged else []
+        if comp:
+            jobs.append(self.inner.job(ctx, [k for k, _ in comp], inputs, results))
+        if exact is not None:
+            jobs.append(ctx.monitor.exact_mean(self.comm, exact, ctx.divisor))
+        yield from one_job(jobs)
+        self._land(ctx, dense, comp, results, dense_flat, exact, flagged)
 
     def _land(self, ctx, dense, comp, outs, dense_flat, exact, flagged: bool) -> None:
         """Results into the gradients: the dense ones scattered, the flag added where the codec's payloads do not

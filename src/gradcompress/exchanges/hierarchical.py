@@ -8,7 +8,7 @@ For N nodes of G workers (``topology=`` of the Compressor, :mod:`gradcompress.to
    sum). Worker j then holds its node's sum of the pieces j, divided by G the node mean;
 2. between nodes, the inner exchange (the codec's, :class:`~.grouped.GroupExchange` over the algebra's exchange,
    or a dense all-reduce for ``none`` and warm-up steps) of these pieces among the workers with local rank j on
-   every node. Each piece is its own state key (``"<key>:<j>/<G>"``, independent of how tensors are bucketed):
+   every node, averaged over the N nodes. Each piece is its own state key (``"<key>:<j>/<G>"``, independent of how tensors are bucketed):
    worker error feedback and momentum correction act on the piece this worker sends, so a residual costs 1/G of
    a gradient; pieces of tensors below ``min_numel`` travel dense;
 3. inside the node, an all-gather of the averaged pieces and one finiteness flag per worker (in the same dtype as
@@ -33,7 +33,7 @@ import itertools
 
 import torch
 
-from ..codecs.base import Aggregation, Codec
+from ..codecs.base import Codec
 from ..collectives import Collectives, Job
 from .dense import DenseExchange
 from .grouped import GroupExchange, algebra_exchange
@@ -54,19 +54,6 @@ def piece_key(key, local_rank: int, parts: int) -> str:
     return f"{key}:{local_rank}/{parts}"
 
 
-class _Dense:
-    """The inner exchange of dense steps: momentum correction, then an all-reduce of the pieces."""
-
-    def __init__(self, comm: Collectives):
-        self.comm = comm
-
-    def job(self, ctx, keys, pieces, dense_keys) -> Job:
-        if ctx.transforms.momentum is not None:
-            for k, x in zip(keys, pieces):
-                ctx.transforms.dense(k, x)
-        yield from DenseExchange(self.comm).job(ctx, keys, pieces, None, ctx.monitor is not None)
-
-
 class Hierarchy:
     """The collectives of a hierarchical topology, kept across steps (their byte counters are
     ``stats()["intra_node_bytes"]`` and ``["inter_node_bytes"]``): ``intra`` on this node's workers, ``inter`` on
@@ -80,27 +67,29 @@ class Hierarchy:
         self.intra, self.inter = Collectives(topology.intra), Collectives(topology.inter)
         self.cast = CASTS[intra_node]
 
-    def exchange(self, codec: Codec | None, aggregation: Aggregation | None, seed: int, min_numel: int):
+    def exchange(self, codec: Codec | None, seed: int, min_numel: int):
         """The hierarchical exchange of a step with ``codec`` (None or exact: dense)."""
         dense = codec is None or codec.exact
         if self.owners:
-            inner = _Dense(self.inter) if dense else GroupExchange(
+            inner = DenseExchange(self.inter) if dense else GroupExchange(
                 self.inter, codec, LowRankExchange(self.inter, codec, seed), min_numel)
             return OwnerExchange(self.intra, inner, self.cast, self.assigned)
-        return HierarchicalExchange(self.intra, self.between(codec, aggregation, seed), self.cast, min_numel)
+        return HierarchicalExchange(self.intra, lambda small: self.between(codec, seed, small), self.cast, min_numel)
 
-    def between(self, codec: Codec | None, aggregation: Aggregation | None, seed: int):
-        """The exchange between nodes alone (on ``inter``): the codec's, or dense for None or an exact codec."""
+    def between(self, codec: Codec | None, seed: int, dense_keys=frozenset()):
+        """The exchange between nodes alone (on ``inter``): the codec's (``dense_keys`` sent dense), or dense for
+        None or an exact codec."""
         if codec is None or codec.exact:
-            return _Dense(self.inter)
-        return GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, aggregation, seed), 0)
+            return DenseExchange(self.inter)
+        return GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, seed), 0, dense_keys)
 
 
 class HierarchicalExchange:
-    """Reduce-scatter inside the node, ``inner`` between nodes on the pieces, all-gather inside (module doc)."""
+    """Reduce-scatter inside the node, the exchange between nodes on the pieces, all-gather inside (module doc); in
+    place. ``between(dense_keys)``: the exchange between nodes, with the piece keys it must send dense."""
 
-    def __init__(self, intra: Collectives, inner, cast: torch.dtype | None, min_numel: int):
-        self.intra, self.inner, self.cast, self.min_numel = intra, inner, cast, min_numel
+    def __init__(self, intra: Collectives, between, cast: torch.dtype | None, min_numel: int):
+        self.intra, self.between, self.cast, self.min_numel = intra, between, cast, min_numel
 
     def _wire_dtype(self, grads) -> torch.dtype:
         return wire_dtype(self.cast, grads)
@@ -117,7 +106,7 @@ class HierarchicalExchange:
                 send[rows, o : o + rest] = flat[rows * p :]
         return send
 
-    def job(self, ctx, keys, grads) -> Job:
+    def job(self, ctx, keys, grads, outs) -> Job:
         if not grads:
             return
         parts, me = self.intra.world, self.intra.rank
@@ -129,8 +118,10 @@ class HierarchicalExchange:
         shard = shard.float().div_(parts)  # the node mean of this worker's pieces
         pkeys = [piece_key(k, me, parts) for k in keys]
         small = frozenset(pk for pk, g in zip(pkeys, grads) if g.numel() < self.min_numel)
-        inner = ctx.apart()
-        yield from self.inner.job(inner, pkeys, split(shard, [(p,) for p in per]), small)
+        between = self.between(small)
+        inner = ctx.apart(between.comm.world)
+        pieces = split(shard, [(p,) for p in per])
+        yield from between.job(inner, pkeys, pieces, pieces)
         gathered = yield from gather_node(self.intra, ctx, inner, shard, dtype)
         self._land(gathered, grads, per, offsets)
 

@@ -27,6 +27,7 @@ class LowRankExchange:
 
     def __init__(self, comm: Collectives, codec: Codec, seed: int):
         self.comm, self.codec, self.seed = comm, codec, seed
+        self.check = codec.preserves_nonfinite  # finiteness read from the first all-reduced factor
 
     def takes(self, x: torch.Tensor) -> bool:
         return self.codec.matrix_shape(x.shape) is not None
@@ -42,13 +43,11 @@ class LowRankExchange:
             cur = orthonormalize_(fresh) if salt else fresh
         return cur
 
-    def job(self, ctx, keys, inputs, outs, check: bool = False) -> Job:
+    def job(self, ctx, keys, inputs, outs) -> Job:
         mats = [x.view(*self.codec.matrix_shape(x.shape)) for x in inputs]
         ranks = [min(self.codec.rank, *m.shape) for m in mats]
-        if self.codec.alternate:
-            yield from self._alternating(ctx, keys, inputs, outs, mats, ranks, check)
-        else:
-            yield from self._two_rounds(ctx, keys, inputs, outs, mats, ranks, check)
+        rounds = self._alternating if self.codec.alternate else self._two_rounds
+        return rounds(ctx, keys, inputs, outs, mats, ranks, self.check)
 
     def _two_rounds(self, ctx, keys, inputs, outs, mats, ranks, check: bool) -> Job:
         comm, dev = self.comm, mats[0].device
@@ -63,7 +62,7 @@ class LowRankExchange:
             ctx.transforms.delivered_product(k, x, p, q)
         q_flat = flat_cat(q_local)
         yield [comm.all_reduce(q_flat)]
-        q_flat.div_(comm.world)
+        q_flat.div_(ctx.divisor)
         for k, p, q, out in zip(keys, p_hat, split(q_flat, [q.shape for q in q_local]), outs):
             torch.matmul(p, q.T, out=out.view(p.shape[0], q.shape[0]))
             ctx.put("q", k, q.clone())
@@ -80,7 +79,7 @@ class LowRankExchange:
         yield [comm.all_reduce(flat)]
         if check:
             ctx.check(all_finite(flat))
-        flat.div_(comm.world)
+        flat.div_(ctx.divisor)
         for k, b, f, out in zip(keys, bases, split(flat, [f.shape for f in local]), outs):
             if p_step:
                 torch.matmul(f, b.T, out=out.view(f.shape[0], b.shape[0]))

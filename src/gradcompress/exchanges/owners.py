@@ -102,7 +102,8 @@ def wire_dtype(cast: torch.dtype | None, grads) -> torch.dtype:
 
 class OwnerExchange:
     """Reduce to each tensor's owner inside the node, ``inner`` between nodes on the owner's tensors, all-gather
-    inside (module doc). ``inner.job(ctx, keys, tensors, dense_keys)`` averages the owner's tensors in place.
+    inside (module doc); in place. ``inner.job(ctx, keys, tensors, tensors)`` averages the owner's tensors in place
+    over the nodes.
     ``assigned``: key -> owner, kept across steps (by the :class:`~.hierarchical.Hierarchy`): a tensor keeps the
     owner it got when first seen, so its state stays where it lives when DDP regroups its buckets."""
 
@@ -110,7 +111,7 @@ class OwnerExchange:
         self.intra, self.inner, self.cast = intra, inner, cast
         self.assigned = {} if assigned is None else assigned
 
-    def job(self, ctx, keys, grads) -> Job:
+    def job(self, ctx, keys, grads, outs) -> Job:
         if not grads:
             return
         parts, me = self.intra.world, self.intra.rank
@@ -128,8 +129,8 @@ class OwnerExchange:
         mine = mine.float().div_(parts)  # the node mean of this worker's tensors
         idx = [i for i, j in enumerate(owner) if j == me]
         tensors = [mine[offsets[i] : offsets[i] + numels[i]].view(grads[i].shape) for i in idx]
-        inner = ctx.apart()
-        yield from padded(self.inner.job(inner, [keys[i] for i in idx], tensors, frozenset()), INNER_ROUNDS)
+        inner = ctx.apart(self.inner.comm.world)
+        yield from padded(self.inner.job(inner, [keys[i] for i in idx], tensors, tensors), INNER_ROUNDS)
         gathered = yield from gather_node(self.intra, ctx, inner, mine, dtype)
         self._land(gathered, grads, owner, offsets)
 

@@ -53,10 +53,11 @@ def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload],
 
 
 class ReduceScatterExchange:
-    """``output`` receives this rank's chunk of the sum over ranks of ``input``, times ``scale``."""
+    """``output`` receives this rank's chunk of the sum over ranks of ``input``, times ``scale`` (FSDP's op: 1/W for
+    its mean). ``job(ctx, [key], [input], [output])``."""
 
-    def __init__(self, comm: Collectives, codec: Codec | None, dense_codec: Codec):
-        self.comm, self.codec, self.dense_codec = comm, codec, dense_codec
+    def __init__(self, comm: Collectives, codec: Codec | None, dense_codec: Codec, scale: float):
+        self.comm, self.codec, self.dense_codec, self.scale = comm, codec, dense_codec, scale
 
     def _encode(self, ctx, key, input: torch.Tensor):
         """(the transformed flat input, its W chunks' payloads, the codec they were encoded with)."""
@@ -72,7 +73,8 @@ class ReduceScatterExchange:
             seeds = [mix_seed(seed, j) for j in range(world)]
         return x, [codec.encode(c, seed=s) for c, s in zip(x.view(world, -1), seeds)], codec
 
-    def job(self, ctx, key, input: torch.Tensor, output: torch.Tensor, scale: float) -> Job:
+    def job(self, ctx, keys, inputs, outputs) -> Job:
+        (key,), (input,), (output,), scale = keys, inputs, outputs, self.scale
         world = self.comm.world
         if input.numel() != world * output.numel():
             raise ValueError(f"gradcompress: reduce-scatter input of {input.numel()} elements is not {world} chunks "
@@ -82,7 +84,7 @@ class ReduceScatterExchange:
         if codec is not self.dense_codec:
             ctx.transforms.delivered(key, x, lambda: decode_chunks(codec, payloads, x.numel(), x.device))
         total = torch.empty(output.numel(), dtype=torch.float32, device=output.device)
-        yield from parallel([reduce_scatter_sum(self.comm, codec, payloads, total), dense_mean(self.comm, flag)])
+        yield from parallel([reduce_scatter_sum(self.comm, codec, payloads, total), dense_mean(self.comm, flag, world)])
         ctx.check(all_finite(flag))
         total.mul_(scale)
         total[:1].add_(flag)
@@ -103,11 +105,12 @@ class HierarchicalReduceScatter:
     on node sums. When to use: FSDP over several nodes of several GPUs with a slow link between them."""
 
     def __init__(self, intra: Collectives, inter: Collectives, codec: Codec | None, dense_codec: Codec,
-                 cast: torch.dtype | None):
+                 cast: torch.dtype | None, scale: float):
         self.intra, self.inter, self.cast = intra, inter, cast
-        self.inner = ReduceScatterExchange(inter, codec, dense_codec)
+        self.inner = ReduceScatterExchange(inter, codec, dense_codec, scale)
 
-    def job(self, ctx, key, input: torch.Tensor, output: torch.Tensor, scale: float) -> Job:
+    def job(self, ctx, keys, inputs, outputs) -> Job:
+        (key,), (input,), (output,) = keys, inputs, outputs
         parts, nodes, me = self.intra.world, self.inter.world, self.intra.rank
         if input.numel() != parts * nodes * output.numel():
             raise ValueError(f"gradcompress: reduce-scatter input of {input.numel()} elements is not "
@@ -116,10 +119,10 @@ class HierarchicalReduceScatter:
         blocks = input.detach().reshape(nodes, parts, -1).transpose(0, 1).to(dtype).contiguous()
         mine, work = self.intra.reduce_scatter(blocks)
         yield [work]
-        inner = ctx.apart()
-        yield from self.inner.job(inner, f"{key}:{me}/{parts}", mine.to(input.dtype), output, scale)
+        inner = ctx.apart(nodes)
+        yield from self.inner.job(inner, [f"{key}:{me}/{parts}"], [mine.to(input.dtype)], [output])
         flag = torch.where(inner.all_checked(output.device), 0.0, math.nan).reshape(1).to(torch.float32)
-        yield from dense_mean(self.intra, flag)
+        yield from dense_mean(self.intra, flag, parts)
         ctx.check(all_finite(flag))
         output.view(-1)[:1].add_(flag.to(output.dtype))
 

@@ -34,13 +34,15 @@ class ReplicaExchange:
     def __init__(self, intra: Collectives, inner):
         self.intra, self.inner = intra, inner
 
-    def job(self, ctx, key, shard: torch.Tensor) -> Job:
+    def job(self, ctx, keys, shards: list[torch.Tensor], outs) -> Job:
+        """In place: ``keys``/``shards`` hold one shard (the outputs are the inputs)."""
+        (key,), (shard,) = keys, shards
         flat = shard.view(-1)
         work = flat if flat.dtype == torch.float32 else flat.float()
-        inner = ctx.apart()
-        yield from self.inner.job(inner, [key], [work], frozenset())
+        inner = ctx.apart(self.inner.comm.world)
+        yield from self.inner.job(inner, [key], [work], [work])
         flag = torch.where(inner.all_checked(flat.device), 0.0, math.nan).reshape(1)
-        yield from dense_mean(self.intra, flag)
+        yield from dense_mean(self.intra, flag, self.intra.world)
         ctx.check(all_finite(flag))
         if work is not flat:
             flat.copy_(work)

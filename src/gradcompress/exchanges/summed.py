@@ -64,20 +64,22 @@ class SummedExchange:
 
     def __init__(self, comm: Collectives, codec: Codec):
         self.comm, self.codec = comm, codec
+        self.check = codec.preserves_nonfinite  # finiteness read on the summed buffer
 
-    def job(self, ctx, keys, inputs, outs, check: bool) -> Job:
-        codec, world, transforms = self.codec, self.comm.world, ctx.transforms
+    def job(self, ctx, keys, inputs, outs) -> Job:
+        """Encodes now (x / divisor); the job is the all-reduce and the decode (:func:`sum_mean`)."""
+        codec, divisor, transforms, check = self.codec, ctx.divisor, ctx.transforms, self.check
         dtype = codec.mean_part_dtype(inputs[0]) if inputs else None
         buf = torch.empty(sum(x.numel() for x in inputs), dtype=dtype, device=inputs[0].device) if dtype else None
         payloads, offset = [], 0
         for k, x in zip(keys, inputs):  # casts write straight into one buffer: the all-reduce needs no cat
             part = buf[offset : offset + x.numel()] if buf is not None else None
             offset += x.numel()
-            p = codec.encode_mean_part(x, world, seed=ctx.seed(k, codec), out=part)
-            if not transforms.delivered_sparse(codec, k, x, p, world):
-                transforms.delivered(k, x, lambda p=p: codec.decode(p).float() * world)
+            p = codec.encode_mean_part(x, divisor, seed=ctx.seed(k, codec), out=part)
+            if not transforms.delivered_sparse(codec, k, x, p, divisor):
+                transforms.delivered(k, x, lambda p=p: codec.decode(p).float() * divisor)
             payloads.append(p)
-        yield from sum_mean(self.comm, codec, payloads, outs, (lambda f: ctx.check(all_finite(f))) if check else None)
+        return sum_mean(self.comm, codec, payloads, outs, (lambda f: ctx.check(all_finite(f))) if check else None)
 
 
 __all__ = ["SummedExchange", "sum_mean"]

@@ -18,15 +18,15 @@ from typing import Callable
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload
-from ..collectives import Collectives, Job, floats, from_bytes, layout, nbytes, parallel, to_bytes
+from ..collectives import Collectives, Job, floats, from_bytes, layout, nbytes, one_job, to_bytes
 from .bucketed import BucketedExchange
 from .context import mix_seed
 from .layout import fills_buckets
 
 
-def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencode) -> list[Payload]:
+def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencode, divisor: int) -> list[Payload]:
     """Round 1's second half: this rank decodes and sums every rank's payload of its chunk of each tensor,
-    averages and re-encodes it (``reencode(k, mean_chunk)``)."""
+    divides it by ``divisor`` and re-encodes it (``reencode(k, mean_chunk)``)."""
     world = comm.world
     block_bytes = received_bytes.numel() // world
     lays = [layout(per_tensor[comm.rank].tensors) for per_tensor in chunks]
@@ -40,7 +40,7 @@ def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencod
             start_at = i * block_bytes + offsets[k]
             theirs = template.replace(from_bytes(received_bytes[start_at : start_at + sizes[k]], lays[k]))
             (codec.accumulate_into if i else codec.decode_into)(theirs, total)
-        mine.append(reencode(k, total.div_(world)))
+        mine.append(reencode(k, total.div_(divisor)))
     return mine
 
 
@@ -68,9 +68,10 @@ def _decode_gathered(codec: Codec, mine: list[Payload], gathered, outs, seen: li
 
 def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: list[torch.Tensor],
                   reencode: Callable[[int, torch.Tensor], Payload],
-                  received: Callable[[list[Payload]], None] | None = None) -> Job:
+                  received: Callable[[list[Payload]], None] | None = None, divisor: int | None = None) -> Job:
     """Two-step reduce of chunked payloads: ``chunks[k][j]`` is this rank's payload for chunk j of tensor k
-    (every chunk of a tensor has the same numel). ``received(payloads)`` is called with the gathered payloads
+    (every chunk of a tensor has the same numel); the sum is divided by ``divisor`` (default: the group's size).
+    ``received(payloads)`` is called with the gathered payloads
     (the same on every rank). Received chunks are decoded with this rank's payload as the template (layout,
     seed): the codec must have a fixed layout and a decode that does not depend on the seed."""
     if not codec.fixed_layout:
@@ -80,7 +81,7 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     send = to_bytes([t for j in range(comm.world) for per_tensor in chunks for t in per_tensor[j].tensors])
     received_bytes, work = comm.all_to_all(send)
     yield [work]
-    mine = _owner_sums(comm, codec, chunks, received_bytes, reencode)
+    mine = _owner_sums(comm, codec, chunks, received_bytes, reencode, divisor or comm.world)
     gathered, work = comm.all_gather(to_bytes([t for p in mine for t in p.tensors]))
     yield [work]
     seen: list = []
@@ -97,6 +98,7 @@ class TwoStepExchange:
 
     def __init__(self, comm: Collectives, codec: Codec):
         self.comm, self.codec = comm, codec
+        self.check = codec.preserves_nonfinite  # finiteness read from the gathered scales
 
     def _whole_group(self, ctx, x: torch.Tensor) -> bool:
         """Whether ``x`` travels in its group's single payload: tensors whose last bucket pads them by at most
@@ -104,31 +106,31 @@ class TwoStepExchange:
         return (ctx.transforms.server is None and self.codec.slices_by_bucket()
                 and fills_buckets(x.numel(), self.codec.bucket))
 
-    def job(self, ctx, keys, inputs, outs, check: bool) -> Job:
+    def job(self, ctx, keys, inputs, outs) -> Job:
+        """The job (encoded now, its rounds when driven): the bucketed and the chunked tensors side by side."""
         if self.comm.world == 1:
-            yield from self._alone(ctx, keys, inputs, outs, check)
-            return
+            return self._alone(ctx, keys, inputs, outs)
         # decided per tensor, so results do not depend on how tensors are grouped
         whole = [self._whole_group(ctx, x) for x in inputs]
         parts = [[v for v, w in zip(seq, whole) if w == flag] for flag in (True, False) for seq in (keys, inputs, outs)]
         jobs = []
         if parts[0]:
-            jobs.append(BucketedExchange(self.comm, self.codec).job(ctx, *parts[:3], check))
+            jobs.append(BucketedExchange(self.comm, self.codec, self.check).job(ctx, *parts[:3]))
         if parts[3]:
-            jobs.append(self._chunked(ctx, *parts[3:], check))
-        yield from parallel(jobs)
+            jobs.append(self._chunked(ctx, *parts[3:]))
+        return one_job(jobs)
 
-    def _alone(self, ctx, keys, inputs, outs, check: bool) -> Job:
+    def _alone(self, ctx, keys, inputs, outs) -> Job:
         codec = self.codec
         for k, x, out in zip(keys, inputs, outs):
             p = ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.REQUANTIZE)[0]
-            if check:
+            if self.check:
                 ctx.check_values(floats([p]))
             codec.decode_into(p, out)
         return
         yield  # a job with no rounds
 
-    def _chunked(self, ctx, keys, inputs, outs, check: bool) -> Job:
+    def _chunked(self, ctx, keys, inputs, outs) -> Job:
         """The per-tensor two-step reduce: each tensor cut into W chunks, each chunk its own payload (O(tensors x W)
         calls; for tensors off the bucket grid and server error feedback)."""
         codec, world = self.codec, self.comm.world
@@ -142,7 +144,7 @@ class TwoStepExchange:
             return ctx.transforms.server_encode(codec, keys[i], mean_chunk, ctx.seed(keys[i], codec, salt=1))
 
         yield from two_step_mean(self.comm, codec, chunked, outs, reencode,
-                                 (lambda seen: ctx.check_values(floats(seen))) if check else None)
+                                 (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor)
 
 
 __all__ = ["TwoStepExchange", "two_step_mean"]

@@ -24,6 +24,7 @@ import inspect
 
 import torch
 
+from ..adapters.ddp_hook import register
 from ..compressor import Compressor
 
 try:
@@ -59,7 +60,7 @@ class CompressedDDPStrategy(DDPStrategy):
         super().__init__(**options)
 
     def _register_ddp_hooks(self) -> None:
-        self.compressor.register(self.model)
+        register(self.compressor, self.model)
 
 
 __all__ = ["CompressedDDPStrategy"]

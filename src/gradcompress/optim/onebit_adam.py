@@ -513,9 +513,8 @@ class CompressedAdam(torch.optim.Optimizer):
             self._local = local_collectives(type(self).__name__, self.process_group)
             feedback = self.codec.wants_error_feedback
             self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
-                                          server_error_feedback=feedback, min_numel=0, topology=self.topology)
-            slots = self._compressor.state.slots
-            slots.update({slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
+                                          server_error_feedback=feedback, min_numel=0, topology=self.topology,
+                                          slots={slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
         step = self._compressor.begin_step(self._local)
         if not self._checked:
             step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")

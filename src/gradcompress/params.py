@@ -10,7 +10,7 @@ Horovod style) does not, so::
 
 The first ``synchronize`` of a Compressor checks it once (:func:`check_same_parameters`: one all-gather of a few
 float64 sums per rank, not counted in ``wire_bytes``) and raises on every rank when the replicas differ.
-No Compressor import here: :mod:`gradcompress.compressor` uses this module.
+Below the Compressor: :meth:`gradcompress.Compressor.synchronize` uses this module.
 """
 
 from __future__ import annotations

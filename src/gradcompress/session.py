@@ -1,0 +1,161 @@
+"""``Session``: what a Compressor resolves once per process group, and the exchanges it builds for a step.
+
+Resolved at the first step (the same on every rank): the collectives, the check that every rank is configured alike,
+the nodes and, where there are 2 or more nodes of 2 or more workers, the hierarchical exchange's collectives. Also
+here: the state keys of parameters (by position), and the **divisor** of the mean (the group's size, unless the
+session is given another number: a quorum of fewer live workers). Every exchange a step runs is built here, from the
+step's codec, and divides by that divisor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import topology as topology_mod
+from .codecs.base import Aggregation, Codec
+from .collectives import Collectives, LocalCollectives
+from .exchanges.dense import DenseExchange
+from .exchanges.grouped import GroupExchange, algebra_exchange
+from .exchanges.hierarchical import Hierarchy
+from .exchanges.reduce_scatter import HierarchicalReduceScatter, ReduceScatterExchange
+from .exchanges.replicas import ReplicaExchange
+from .spec import make
+
+NOT_INITIALISED = (
+    "gradcompress: torch.distributed is not initialised, so there is no group to average over; call "
+    "torch.distributed.init_process_group(...) first (or launch with torchrun, then init_process_group). "
+    "For a single process without torch.distributed, pass the collectives explicitly: "
+    "compressor.synchronize(params, collectives=gradcompress.collectives.LocalCollectives(1)) or "
+    "compressor.begin_step(gradcompress.collectives.LocalCollectives(1))")
+
+
+def _same_group(a, b) -> bool:
+    world = dist.group.WORLD
+    return (a if a is not None else world) is (b if b is not None else world)
+
+
+class Session:
+    """The group a Compressor averages over (``process_group``, None: the world), resolved once.
+
+    ``divisor``: a callable giving the number the mean divides by at each step (default: the group's size)."""
+
+    def __init__(self, config, process_group=None, divisor: Callable[[], int] | None = None):
+        self.config, self.group = config, process_group
+        self.comm: Collectives | None = None
+        self.hierarchy: Hierarchy | None = None
+        self.nodes: list | None = None
+        self.key_of: dict[int, int] = {}
+        self.params_checked = False  # synchronize's one check that the replicas start equal
+        self._divisor = divisor
+        self.dense_codec = make("none")  # the codec of dense steps on paths that encode anyway (FSDP)
+
+    # ---------------------------------------------------------------- the group
+    def bind(self, group) -> None:
+        """Average over ``group`` (an adapter's: the DDP model's, FSDP's); an error if another group was given."""
+        if self.group is None:
+            self.group = group
+        elif not _same_group(self.group, group):
+            raise ValueError("gradcompress: the Compressor's process_group is not the group the model averages "
+                             "over (DistributedDataParallel(..., process_group=...)); pass the same group, or none "
+                             "to use the model's")
+
+    def open(self, collectives: Collectives | None) -> Collectives:
+        """The collectives of this step (``collectives`` if given), resolved and checked once."""
+        if collectives is not None:
+            self.comm = collectives
+        if self.comm is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(NOT_INITIALISED)
+            self.comm = Collectives(self.group)
+        return self.comm
+
+    def resolve(self) -> None:
+        """Check once that every rank is configured alike and find the nodes (one small all-gather)."""
+        c = self.config
+        text = f"{c.text()} topology={topology_mod.describe(c.topology)} intra_node={c.intra_node}"
+        keys = self.comm.check_same(text, "gradcompress", topology_mod.node_key() if c.topology == "auto" else None)
+        if isinstance(self.comm, LocalCollectives):
+            return
+        self.nodes = topology_mod.nodes_of(c.topology, self.comm.group, keys)
+        if self.nodes is None or len(self.nodes) < 2 or len(self.nodes[0]) < 2:
+            return
+        whole = c.codec.aggregation is Aggregation.LOWRANK
+        layout = topology_mod.build(c.topology, self.nodes, self.comm.group)
+        self.hierarchy = Hierarchy(layout, c.intra_node, owners=whole)
+
+    def world(self) -> int:
+        """The size of the group (known before the first step where torch.distributed is initialised)."""
+        if self.comm is not None:
+            return self.comm.world
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.group)
+        return 1
+
+    def divisor(self) -> int:
+        """What this step's mean divides by: the group's size, or the number the session was given."""
+        return self.comm.world if self._divisor is None else int(self._divisor())
+
+    # ---------------------------------------------------------------- keys
+    def keys_for(self, parameters: Iterable[torch.nn.Parameter]) -> list[int]:
+        """State keys of ``parameters``: their positions as indexed, or the order in which they are first seen."""
+        keys = []
+        for p in parameters:
+            if id(p) not in self.key_of:
+                self.key_of[id(p)] = len(self.key_of)
+            keys.append(self.key_of[id(p)])
+        return keys
+
+    def index_parameters(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        params = [p for p in parameters if p.requires_grad]
+        self.key_of = {id(p): i for i, p in enumerate(params)}
+
+    # ---------------------------------------------------------------- exchanges
+    def exchange(self, codec: Codec | None, force_dense: bool, buffer: torch.Tensor | None, monitored: bool):
+        """The exchange of a group of tensors at a step with ``codec`` (None: dense)."""
+        c = self.config
+        if self.hierarchy is not None and not force_dense:  # dense inside each node, the codec's between
+            return self.hierarchy.exchange(codec, c.seed, c.min_numel)
+        if codec is None or codec.exact:  # dense: DDP's own all-reduce (plus momentum correction)
+            return DenseExchange(self.comm, buffer, monitored)
+        return GroupExchange(self.comm, codec, algebra_exchange(self.comm, codec, c.seed), c.min_numel)
+
+    def reduce_scatter(self, codec: Codec | None, scale: float):
+        """FSDP's compressed reduce-scatter (dense inside each node, compressed between, where hierarchical)."""
+        h = self.hierarchy
+        if h is not None:
+            return HierarchicalReduceScatter(h.intra, h.inter, codec, self.dense_codec, h.cast, scale)
+        return ReduceScatterExchange(self.comm, codec, self.dense_codec, scale)
+
+    def replicas(self, codec: Codec | None):
+        """HSDP's replica all-reduce of a shard (None: flat, the plain exchange does it)."""
+        h = self.hierarchy
+        return None if h is None else ReplicaExchange(h.intra, h.between(codec, self.config.seed))
+
+    # ---------------------------------------------------------------- what it sent
+    def bytes(self) -> tuple[int, int, int]:
+        """(bytes sent between nodes, inside a node, telemetry's)."""
+        flat = self.comm.wire_bytes if self.comm else 0
+        monitor = self.comm.monitor_bytes if self.comm else 0
+        if self.hierarchy is not None:
+            intra, inter = self.hierarchy.intra, self.hierarchy.inter
+            return flat + inter.wire_bytes, intra.wire_bytes, monitor + intra.monitor_bytes + inter.monitor_bytes
+        if self.nodes is not None and len(self.nodes) == 1:
+            return 0, flat, monitor
+        return flat, 0, monitor
+
+    def topology_text(self) -> str:
+        """The resolved topology as a checkpoint records it (``"flat"``, or ``"NxG intra_node=..."``)."""
+        if self.hierarchy is None:
+            return "flat"
+        return f"{self.hierarchy.topology.text} intra_node={self.config.intra_node}"
+
+    def topology_stats(self) -> dict:
+        nodes = self.nodes
+        return {"nodes": len(nodes) if nodes else None, "workers_per_node": len(nodes[0]) if nodes else None,
+                "kind": "flat" if self.hierarchy is None else "hierarchical"}
+
+
+__all__ = ["Session"]
