@@ -54,7 +54,7 @@ def _unequal_replicas(rank: int) -> dict:
     out = {"error": _error(lambda: comp.synchronize(model.parameters()))}
     out["grads_unchanged"] = all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
     out["stats"] = comp.stats()
-    out["state_empty"] = all(not v for v in comp.state.slots.values()) and comp.committed_steps == 0
+    out["state_empty"] = all(not v for v in comp.state.slots.values()) and comp.state_dict()["step"] == 0
     # the fix the error names: rank 0's parameters and buffers (BatchNorm's running statistics) everywhere
     out["own_tensors"] = [t.detach().clone() for t in model.state_dict().values()]
     gradcompress.broadcast_parameters(model)
@@ -85,7 +85,7 @@ def _registrations() -> dict:
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     return {
         "ddp_hook_plain": _error(lambda: gradcompress.register_ddp_hook(plain, "int8")),
-        "register_plain": _error(lambda: gradcompress.Compressor("int8").register(plain)),
+        "register_plain": _error(lambda: gradcompress.register_ddp_hook(plain, gradcompress.Compressor("int8"))),
         "fsdp_plain": _error(lambda: gradcompress.register_fsdp(plain, "int8")),
         "fsdp_ddp": _error(lambda: gradcompress.register_fsdp(ddp, "int8")),
         "fsdp_params": _error(lambda: gradcompress.register_fsdp(list(plain.parameters()), "int8")),

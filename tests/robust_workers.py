@@ -42,7 +42,7 @@ def overflow_run(rank, world, scheme, where, warmup, steps=5, bad_step=2):
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
     comp = compressor(scheme, min_numel=256, warmup_steps=warmup)
-    comp.register(ddp)
+    gradcompress.register_ddp_hook(ddp, comp)
     poison = {"on": False}
     target = model[2].bias if where == "bias" else model[2].weight
     target.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")) if poison["on"] else g)
@@ -89,8 +89,8 @@ def subgroups(rank, world, specs):
                      "group_size": dist.get_world_size(comp.process_group)}
     try:  # a Compressor on another group than the DDP model's is refused
         ddp = nn.parallel.DistributedDataParallel(make_model(), process_group=mine)
-        gradcompress.Compressor("int8", process_group=groups[1 - rank // 2] if rank < 2 else dist.group.WORLD
-                                ).register(ddp)
+        gradcompress.register_ddp_hook(ddp, gradcompress.Compressor(
+            "int8", process_group=groups[1 - rank // 2] if rank < 2 else dist.group.WORLD))
         out["mismatch"] = "no error"
     except ValueError as err:
         out["mismatch"] = str(err)
@@ -239,9 +239,8 @@ def fused_versus_reference(rank, world, schemes, steps=5, bad_step=2):
     shapes = [(300, 257), (70001,), (64, 48)]  # fast kernels; uneven chunks (padded last chunk); small
     out = {}
     for scheme in schemes:
-        spec, _, option = scheme.partition("|")  # "int8|allgather": that collective; "int8|bf16": bf16 residuals
-        extra = {"min_numel": 0, **({"residual_dtype": torch.bfloat16} if option == "bf16" else
-                                    {"collective": option} if option else {})}
+        spec, _, option = scheme.partition("|")  # "int8|bf16": bf16 residuals
+        extra = {"min_numel": 0, **({"residual_dtype": torch.bfloat16} if option == "bf16" else {})}
         fused, ref = compressor(spec, **extra), compressor(spec, **extra)
         pf = [nn.Parameter(torch.zeros(s)) for s in shapes]
         pr = [nn.Parameter(torch.zeros(s)) for s in shapes]

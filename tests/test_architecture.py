@@ -1,7 +1,9 @@
 """The shape the architecture promises (docs/architecture.md), checked on the source.
 
 * no import cycle between modules of the package (imports anywhere in a module, function-level included);
+* no import goes up the layers (:data:`LAYERS`; imports anywhere in a module), and every module has a layer;
 * no library module imports the CLI;
+* no module assigns another object's attributes of the Compressor (``compressor.x = ...`` outside compressor.py);
 * no function of the core (step, collectives, exchanges, transforms, monitor, compressor, adapters, optim) is longer
   than 60 lines; ``step.py`` stays at most 300 lines;
 * codec capabilities are declared on the codec, not probed with ``hasattr``/``getattr``.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -78,6 +81,34 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+#: the layers, lowest first: a module imports only modules of its own layer or below (a module's layer: the longest
+#: prefix listed). The root package (public names) sits above the library it re-exports, below the testbed and CLI.
+LAYERS = [
+    ["gradcompress.spec"],
+    ["gradcompress.codecs"],
+    ["gradcompress.collectives", "gradcompress.params", "gradcompress.topology", "gradcompress.scheme"],
+    ["gradcompress.schedule", "gradcompress.monitor"],
+    ["gradcompress.exchanges", "gradcompress.transforms"],
+    ["gradcompress.config", "gradcompress.state"],
+    ["gradcompress.session"],
+    ["gradcompress.step"],
+    ["gradcompress.compressor"],
+    ["gradcompress.adapters", "gradcompress.optim", "gradcompress.integrations"],
+    ["gradcompress"],
+    ["gradcompress.costmodel", "gradcompress.testbed"],
+    ["gradcompress.cli", "gradcompress.__main__"],
+]
+
+
+def layer_of(module: str) -> int | None:
+    best, level = "", None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, level = p, i
+    return level
+
+
 @pytest.fixture(scope="module")
 def graph():
     modules = _modules()
@@ -89,6 +120,24 @@ def test_no_import_cycle(graph):
     acyclic = {m: {t for t in deps if not m.startswith(t + ".") and not t.startswith(m + ".")}
                for m, deps in graph.items()}
     assert _cycles(acyclic) == []
+
+
+def test_every_module_has_a_layer(graph):
+    assert sorted(m for m in graph if layer_of(m) is None) == []
+
+
+def test_no_import_goes_up_the_layers(graph):
+    upward = sorted(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})" for m, deps in graph.items()
+                    for d in deps if layer_of(d) is not None and layer_of(m) is not None and layer_of(d) > layer_of(m)
+                    and not d.startswith(m + "."))  # a package's __init__ re-exporting its own modules
+    assert upward == []
+
+
+def test_no_module_assigns_the_compressors_attributes():
+    pattern = re.compile(r"\bcompressor\.\w+(\.\w+)*\s*=[^=]")
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in ROOT.rglob("*.py") if path.name != "compressor.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
 
 
 def test_library_does_not_import_the_cli(graph):

@@ -157,7 +157,7 @@ def test_low_precision_buckets(dtype):
         assert bool(dtypes) == (spec != "fp16"), spec  # the 16-bit cast keeps no residual by default
 
 
-def test_compressor_object_is_a_valid_ddp_hook():
+def test_the_state_and_hook_pair_equals_register_ddp_hook():
     results = launch.run(workers.compressor_as_hook, 2, "topk:ratio=0.05", timeout=TIMEOUT)
     for as_object, as_method in results:
         assert _close(as_object, as_method)

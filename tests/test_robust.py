@@ -145,7 +145,7 @@ def test_recycled_buffers_change_nothing(spec):
 
 
 FUSED_SCHEMES = ["int8", "int4", "sign", "sign:bucket=64", "topk:ratio=0.05", "topk:ratio=0.01,values=int8",
-                 "threshold:value=1.0", "int8|allgather", "int8:momentum=0.9", "powersgd:rank=2",
+                 "threshold:value=1.0", "int8:momentum=0.9", "powersgd:rank=2",
                  "sign:server_error_feedback=true", "int4:bucket=64,server_error_feedback=true",
                  "int8|bf16", "sign:server_error_feedback=true|bf16", "topk:ratio=0.05|bf16",
                  "powersgd:rank=2,alternate=true", "randomk:ratio=0.1", "randomk:ratio=0.1|bf16"]

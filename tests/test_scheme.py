@@ -38,8 +38,6 @@ ACCEPTED = [
     ('int8', 'int8:bucket=512,stochastic=false', 'int8:bucket=512,stochastic=false', {}, 0, False),
     ('int8:compressed_adam=true', 'int8:bucket=512,stochastic=false,compressed_adam=true', 'int8:bucket=512,stochastic=false', {}, 0, True),
     ('int8:diloco=3,error_feedback=false', 'int8:bucket=512,stochastic=false,error_feedback=false,diloco=3', 'int8:bucket=512,stochastic=false', {'error_feedback': False}, 3, False),
-    ('int8:overlap=false', 'int8:bucket=512,stochastic=false,overlap=false', 'int8:bucket=512,stochastic=false', {'overlap': False}, 0, False),
-    ('int8:overlap=true', 'int8:bucket=512,stochastic=false,overlap=true', 'int8:bucket=512,stochastic=false', {'overlap': True}, 0, False),
     ('int8:schedule=exp', 'int8:bucket=512,stochastic=false,schedule=exp', 'int8:bucket=512,stochastic=false', {'schedule': 'exp'}, 0, False),
     ('int8:stochastic=true', 'int8:bucket=512,stochastic=true', 'int8:bucket=512,stochastic=true', {}, 0, False),
     ('none', 'none', 'none', {}, 0, False),
@@ -148,7 +146,7 @@ def test_run_config_reads_the_scheme_as_before():
     assert cadam.onebitadam_options() == {"codec": "topk:values=int8,ratio=0.01",
                                           "lr": 0.001, "warmup_steps": 60}
     assert task.RunConfig(scheme="dgc:momentum=0.9").momentum_corrected()
-    assert not task.RunConfig(scheme="int8:overlap=false").momentum_corrected()
+    assert not task.RunConfig(scheme="int8:schedule=exp").momentum_corrected()
 
 
 def test_options_keep_the_order_given():
@@ -222,7 +220,9 @@ def test_cli_names_pytorch_baselines_unknown_schemes():
 # --------------------------------------------------------------------------- Compressor(spec)'s grammar
 def test_compressor_options_are_the_compressors_keywords():
     params = inspect.signature(gradcompress.Compressor.__init__).parameters
-    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {"process_group"}
+    # the keywords that take objects (a group, a callable, state mappings) are not options of a spec string
+    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {
+        "process_group", "divisor", "slots"}
     assert set(sc.COMPRESSOR_OPTIONS) == keywords
     assert set(sc.SCHEME_COMPRESSOR_OPTIONS) < set(sc.COMPRESSOR_OPTIONS)
 
@@ -234,8 +234,10 @@ def test_split_compressor_options_reads_the_readme_strings():
         ("sign:bucket=512", {"momentum": 0.9, "server_error_feedback": True})
     assert sc.split_compressor_options("topk:ratio=0.01,min_numel=40000")[1] == {"min_numel": 40000}
     assert sc.split_compressor_options("qsgd:levels=4,error_feedback=true")[1] == {"error_feedback": True}
-    assert sc.split_compressor_options("int8:collective=allgather,seed=3,overlap=false,monitor_every=100")[1] == \
-        {"collective": "allgather", "seed": 3, "overlap": False, "monitor_every": 100}
+    assert sc.split_compressor_options("int8:seed=3,monitor_every=100")[1] == {"seed": 3, "monitor_every": 100}
+    for removed in ("collective=allgather", "overlap=false"):  # options removed (docs/changes.md)
+        with pytest.raises(ValueError, match=removed.split("=")[0]):
+            sc.split_compressor_options(f"int8:{removed}")
     assert sc.split_compressor_options({"name": "topk", "ratio": 0.05, "momentum": 0.5}) == \
         ("topk:ratio=0.05", {"momentum": 0.5})
 

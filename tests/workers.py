@@ -168,7 +168,7 @@ def _train_checkpoint(rank, spec, steps, save_at, path, resume, compressor=None,
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
     if compressor is None:
         compressor = gradcompress.Compressor(spec, min_numel=256, warmup_steps=1)
-    comp = compressor.register(ddp)
+    comp = gradcompress.register_ddp_hook(ddp, compressor)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     start = 0
     if resume:
@@ -301,16 +301,19 @@ def low_precision(rank, world, specs, dtype):
 
 
 def compressor_as_hook(rank, world, spec):
-    """The Compressor object itself as the hook (Lightning's DDPStrategy(ddp_comm_hook=compressor))."""
+    """PyTorch's state + hook pair (``register_comm_hook(compressor, gradcompress.adapters.ddp.hook)``, what
+    Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` does) against ``register_ddp_hook``."""
+    from gradcompress.adapters.ddp import hook
+
     results = []
-    for register in ("object", "method"):
+    for register in ("state and hook", "register_ddp_hook"):
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)
         comp = gradcompress.Compressor(spec, min_numel=256)
-        if register == "object":
-            ddp.register_comm_hook(None, comp)
+        if register == "state and hook":
+            ddp.register_comm_hook(comp, hook)
         else:
-            comp.register(ddp)
+            gradcompress.register_ddp_hook(ddp, comp)
         for step in range(2):
             x, y = batch(rank, step)
             ddp.zero_grad()

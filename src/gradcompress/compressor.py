@@ -141,21 +141,7 @@ class Compressor:
         """Key state by each parameter's position among those that require grad."""
         self.session.index_parameters(parameters)
 
-    # ------------------------------------------------------------------ integrations
-    def register(self, ddp_model) -> "Compressor":
-        """Install as ``ddp_model``'s communication hook (``DistributedDataParallel.register_comm_hook``), averaging
-        over the DDP model's ``process_group`` (a ``process_group`` given to this Compressor must be the same)."""
-        from .adapters import ddp_hook
-
-        return ddp_hook.register(self, ddp_model)
-
-    def __call__(self, state, bucket):
-        """Lets the Compressor itself be passed where a hook is expected, with any state:
-        ``ddp_model.register_comm_hook(None, compressor)``. (No annotations: DDP checks them.)"""
-        from .adapters import ddp_hook
-
-        return ddp_hook.hook(self, bucket)
-
+    # ------------------------------------------------------------------ custom loops
     def synchronize(self, parameters: Iterable[torch.nn.Parameter], collectives: Collectives | None = None) -> bool:
         """Average the ``.grad`` of ``parameters`` across the group, in place (custom training loops).
 
