@@ -243,11 +243,4 @@ class Compressor:
         return self.options.text()
 
 
-def default_group():
-    """The default process group, or None when ``torch.distributed`` is not initialised."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-__all__ = ["Compressor", "FSDP_KEY_PREFIX", "default_group"]
+__all__ = ["Compressor", "FSDP_KEY_PREFIX"]

@@ -32,6 +32,11 @@ NOT_INITIALISED = (
     "compressor.begin_step(gradcompress.collectives.LocalCollectives(1))")
 
 
+def default_group():
+    """The default process group, or None when ``torch.distributed`` is not initialised."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def _same_group(a, b) -> bool:
     world = dist.group.WORLD
     return (a if a is not None else world) is (b if b is not None else world)
@@ -158,4 +163,4 @@ class Session:
                 "kind": "flat" if self.hierarchy is None else "hierarchical"}
 
 
-__all__ = ["Session"]
+__all__ = ["Session", "default_group"]

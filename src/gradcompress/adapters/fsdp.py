@@ -107,25 +107,25 @@ class CompressedReduceScatter(ReduceScatter):
             if async_op and not end_now:
                 return _LaunchedWork(step, step.launch(job))
             step.drive([job])
-        return None
+        return _LaunchedWork(step, None) if async_op else None
 
 
 class _LaunchedWork(dist.Work):
-    """The ``Work`` of a launched reduce-scatter: ``wait()`` drives it to completion (the same order on every
-    rank: FSDP waits in program order)."""
+    """The ``Work`` of a launched reduce-scatter (``running``; None: already complete): ``wait()`` drives it to
+    completion (the same order on every rank: FSDP waits in program order)."""
 
     def __init__(self, step, running):
         super().__init__()
         self.step, self.running = step, running
 
     def wait(self, timeout=None) -> bool:
-        if self.running.works is not None:
+        if not self.is_completed():
             with self.step.guarded(end=False):
                 finish([self.running], self.step.comm)
         return True
 
     def is_completed(self) -> bool:
-        return self.running.works is None
+        return self.running is None or self.running.works is None
 
 
 class ReplicaAllReduce:

@@ -62,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import LocalCollectives
-from ..compressor import Compressor, default_group
+from ..compressor import Compressor
+from ..session import default_group
 from ..scheme import DILOCO_OUTERS, split_compressor_options
 from ..spec import make
 
