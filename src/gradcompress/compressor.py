@@ -279,15 +279,17 @@ class Compressor:
     def _resolve_topology(self, keys) -> None:
         """The nodes of the group and, when hierarchical, the collectives inside and between them (decided once,
         at the first step, from every rank's node key: the same on every rank)."""
-        if isinstance(self._comm, LocalCollectives):
+        recorded = getattr(self._comm, "topology", None)  # the cost model's RecordingCollectives of N x G workers
+        if isinstance(self._comm, LocalCollectives) and recorded is None:
             return
+        layout = self.topology if recorded is None else recorded
         group = self._comm.group
-        self._nodes = topology_mod.nodes_of(self.topology, group, keys)
+        self._nodes = topology_mod.nodes_of(layout, group, keys)
         nodes = self._nodes
         if nodes is None or len(nodes) < 2 or len(nodes[0]) < 2:
             return
         whole = self.codec.aggregation is Aggregation.LOWRANK and self.collective != "allgather"
-        self.hierarchy = Hierarchy(topology_mod.build(self.topology, nodes, group), self.intra_node, owners=whole)
+        self.hierarchy = Hierarchy(topology_mod.build(layout, nodes, group), self.intra_node, owners=whole)
 
     def _topology_text(self) -> str:
         """The resolved topology as a checkpoint records it (``"flat"``, or ``"NxG intra_node=..."``)."""
