@@ -86,7 +86,7 @@ class _CountAllReduce:
 
 def _ddp(kind: str, rank_r: int):
     """DDP over :class:`_Model` with PyTorch's hook for ``kind`` (``ddp``: ``allreduce_hook``, DDP's own all-reduce
-    as a Python hook, so that its calls are counted), or ours (a scheme text: ``Compressor.register``)."""
+    as a Python hook, so that its calls are counted), or ours (a scheme text: ``register_ddp_hook``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     model = nn.parallel.DistributedDataParallel(_Model())
@@ -99,7 +99,7 @@ def _ddp(kind: str, rank_r: int):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
-        comp = gradcompress.Compressor(kind, warmup_steps=0, seed=0).register(model)
+        comp = gradcompress.register_ddp_hook(model, kind, warmup_steps=0, seed=0)
     return model, comp
 
 
