@@ -23,7 +23,7 @@ calibration of a W-rank step's own work).
 from __future__ import annotations
 
 import time
-from typing import Generator, Iterable, Sequence
+from typing import Generator, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,7 +157,10 @@ class LocalCollectives(Collectives):
 
     ``world=1`` is a single process (nothing sent, nothing counted); larger worlds stand in for a
     group in ``plan``'s calibration, to time the Python and codec work of a step alone.
+    ``topology``: None here (a :class:`RecordingCollectives` may carry a node layout to record).
     """
+
+    topology = None
 
     def __init__(self, world: int = 1):  # noqa: D107 - no process group, deliberately not Collectives.__init__
         self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
@@ -255,5 +258,98 @@ def parallel(jobs: list[Job]) -> Job:
         active = still
 
 
-__all__ = ["Collectives", "Done", "Job", "LocalCollectives", "Running", "drive", "finish", "floats", "from_bytes", "layout",
-           "nbytes", "one_job", "parallel", "to_bytes"]
+# --------------------------------------------------------------------- recording (the cost model's)
+
+
+class Issued(NamedTuple):
+    """One collective a :class:`RecordingCollectives` issued: ``kind`` (the method: ``all_reduce``, ``all_gather``,
+    ``all_to_all``, ``all_to_all_v``, ``reduce_scatter``), ``nbytes`` (the local buffer's bytes), ``sent`` (the bytes
+    this rank transmits, counted as :class:`Collectives` counts them), ``world`` (the group's size) and ``link``
+    (which group: ``"world"``, or ``"intra"``/``"inter"`` for a node layout's groups)."""
+
+    kind: str
+    nbytes: int
+    sent: int
+    world: int
+    link: str
+
+
+class RecordingCollectives(LocalCollectives):
+    """:class:`LocalCollectives` that counts ``wire_bytes`` exactly as :class:`Collectives` does and records every
+    collective it issues (:class:`Issued`), grouped in rounds: a round ends when the driver waits for its works
+    (:func:`drive`, ``Step.drive``). What the cost model runs the real step on (:mod:`gradcompress.costmodel`).
+
+    Every rank holds the same tensors, and this one is rank ``rank`` of ``world``: an all-reduce multiplies by
+    ``world``, an all-gather repeats, a reduce-scatter returns block ``rank`` of the sum, an all-to-all block
+    ``rank`` of every rank. :meth:`sub` makes the collectives of a sub-group (a node's workers, ``link="intra"``;
+    the workers of one local rank on every node, ``"inter"``) that record into this one's rounds; with a
+    ``topology`` (a :class:`gradcompress.topology.Topology` whose ``intra``/``inter`` are such sub-groups) a
+    Compressor stepping on this runs its hierarchical exchange on them.
+    """
+
+    def __init__(self, world: int = 1, rank: int = 0, *, link: str = "world", topology=None, into=None):
+        super().__init__(world)
+        self.rank, self.link, self.topology = rank, link, topology
+        self.root = self if into is None else into  # whose rounds this one records into
+        self.rounds: list[tuple[Issued, ...]] = []
+        self.issued: list[Issued] = []
+
+    def sub(self, world: int, rank: int, link: str) -> "RecordingCollectives":
+        """The collectives of a sub-group of ``world`` ranks (this rank is ``rank`` there), recording into these."""
+        return RecordingCollectives(world, rank, link=link, into=self.root)
+
+    def take_rounds(self) -> list[tuple[Issued, ...]]:
+        """The rounds recorded since the last call (the open one closed), in the order they were issued."""
+        self.root._close()
+        rounds, self.root.rounds = self.root.rounds, []
+        return rounds
+
+    def _close(self) -> None:
+        if self.issued:
+            self.rounds.append(tuple(self.issued))
+            self.issued = []
+
+    def _count(self, kind: str, t: torch.Tensor, sent: int) -> None:
+        self.wire_bytes += sent
+        self.root.issued.append(Issued(kind, t.numel() * t.element_size(), sent, self.world, self.link))
+
+    def all_reduce(self, t, monitor: bool = False):
+        sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
+        if monitor:  # telemetry's exact average: not wire bytes, not recorded
+            self.monitor_bytes += sent
+        else:
+            self._count("all_reduce", t, sent)
+        return super().all_reduce(t)
+
+    def all_gather(self, t):
+        self._count("all_gather", t, (self.world - 1) * t.numel() * t.element_size())
+        return super().all_gather(t)
+
+    def all_gather_flat(self, t):
+        self._count("all_gather", t, (self.world - 1) * t.numel() * t.element_size())
+        return super().all_gather_flat(t)
+
+    def reduce_scatter(self, t):
+        self._count("reduce_scatter", t, (self.world - 1) * t.numel() * t.element_size() // self.world)
+        return t.reshape(self.world, -1)[self.rank] * self.world, Done()
+
+    def all_to_all(self, t):
+        self._count("all_to_all", t, (self.world - 1) * t.numel() * t.element_size() // self.world)
+        mine = t.reshape(self.world, -1)[self.rank]
+        return mine.repeat(self.world).view(t.shape), Done()
+
+    def all_to_all_v(self, t, in_splits, out_splits):
+        self._count("all_to_all_v", t, (sum(in_splits) - in_splits[self.rank]) * t.element_size())
+        start = sum(in_splits[: self.rank])
+        return t[start : start + in_splits[self.rank]].repeat(self.world), Done()
+
+    def wait(self, works) -> None:
+        """The driver waits for a round: it is complete (recorded even without collectives: a padded round)."""
+        root = self.root
+        root.rounds.append(tuple(root.issued))
+        root.issued = []
+
+
+__all__ = ["Collectives", "Done", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running", "drive",
+           "finish", "floats", "from_bytes", "layout", "nbytes", "one_job", "parallel", "to_bytes"]
+

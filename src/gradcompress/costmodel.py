@@ -1,11 +1,12 @@
-"""An alpha-beta model of one data-parallel training step with gradient compression (pure functions).
+"""An alpha-beta model of one data-parallel training step with gradient compression, timing the bytes and rounds
+of collectives recorded from the real step (:func:`record_step`).
 
 Used by ``gradcompress plan``; checked against ``gradcompress netbench`` in BENCHMARKS.md.
 Units: bytes, seconds; a link's payload bandwidth ``B`` in bytes/s (:func:`payload_bandwidth`
 turns a link rate in bit/s into it), ``alpha`` the fixed cost of one message step (the
 one-way latency plus a software overhead per message).
 
-Collectives, W workers, each behind its own full-duplex link (as ``exchange`` counts them):
+Collectives, W workers, each behind its own full-duplex link (as ``Collectives`` counts them):
 
 * all-reduce of M bytes (ring: reduce-scatter + all-gather):  2(W-1)/W M/B + 2(W-1) alpha
 * all-gather of M bytes per rank (ring):                        (W-1) M/B + (W-1) alpha
@@ -13,14 +14,17 @@ Collectives, W workers, each behind its own full-duplex link (as ``exchange`` co
 * two-step reduce of a compressed size Mc (all-to-all + all-gather of the Mc/W re-encoded
   chunk):                                                       2(W-1)/W Mc/B + 2(W-1) alpha
 
-What each scheme sends (:func:`wire_bytes`, byte for byte what ``Compressor.stats()``
-counts for ours): ``ddp`` one all-reduce of the float32 bucket per DDP bucket;
-``torch-fp16`` the same in float16; ``torch-powersgd`` (one bucket) P and Q all-reduced
-in two rounds, the vectors and the matrices not worth compressing all-reduced dense;
-ours per DDP bucket (codec `none`: one plain all-reduce, as DDP): the dense small tensors (plus a 4-byte finiteness flag) all-reduced,
-the others by the codec's aggregation: ``SUM`` one all-reduce of the payloads, ``GATHER``
-one all-gather, ``REQUANTIZE`` the two-step reduce of per-rank chunks, ``LOWRANK``
-(PowerSGD) all-reduces of P then Q.
+What each scheme sends is not derived here: it is recorded from the real step (:func:`record_step`). Our
+Compressor runs one compressed step of the model's tensors, one exchange per DDP bucket (:func:`buckets_for`), on
+:class:`gradcompress.collectives.RecordingCollectives`, which counts bytes exactly as ``Compressor.stats()`` does
+and records each collective (kind, bytes, group) per round; on nodes, with a recording topology, the Compressor runs
+its hierarchical exchange. PyTorch's baselines are the collectives their hooks issue, replayed on the same
+recorder (:func:`hook_job`). The data is :func:`gradients`, the data ``plan`` calibrates on. What variable-size
+codecs (``dgc``, ``threshold``) send depends on it and on the rank: for them the second step is recorded (the
+first with error-feedback residuals and momentum), on every rank, and each collective counted at the most any
+rank of its group sent (the padded all-gather sends the longest payload).
+A round's time: its collectives share the link (their bytes add) and are in flight together (the longest chain
+of message steps counts once).
 
 The step (:func:`simulate_step`): forward (1/3 of the compute time), then backward (2/3).
 DDP hands a bucket to the hook when its gradients are ready (after the share of the
@@ -40,13 +44,20 @@ compute time is that of a DDP step without communication (DDP's own copies inclu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Sequence
 
-from .exchanges.layout import chunk_numel, fills_buckets, whole_group_elements
+import torch
+
+from .codecs.base import Aggregation
+from .collectives import Issued, Job, RecordingCollectives, drive
+from .compressor import Compressor
+from .exchanges.layout import split
 from .scheme import BASELINES, DECOUPLED, ONEBITADAM, Scheme
 from .scheme import parse_scheme as _parse_scheme
+from .topology import Topology
 
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
                    "topk:ratio=0.01", "powersgd:rank=1", "powersgd:rank=4")
@@ -123,19 +134,6 @@ def two_step_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 
                                                                              alpha)
 
 
-def allreduce_bytes(nbytes: int, workers: int) -> int:
-    """Bytes one rank transmits in a ring all-reduce (as ``exchange.Collectives`` counts them)."""
-    return 2 * (workers - 1) * nbytes // workers if workers > 1 else 0
-
-
-def allgather_bytes(nbytes: int, workers: int) -> int:
-    return (workers - 1) * nbytes if workers > 1 else 0
-
-
-def alltoall_bytes(nbytes: int, workers: int) -> int:
-    return (workers - 1) * nbytes // workers if workers > 1 else 0
-
-
 # --------------------------------------------------------------------------- schemes and payloads
 def parse_scheme(text: str) -> Scheme:
     """``ddp``, ``torch-fp16``, ``torch-powersgd[:rank=R]`` or a codec spec (:func:`gradcompress.scheme.parse_scheme`:
@@ -149,10 +147,6 @@ def parse_scheme(text: str) -> Scheme:
 
 def numel_of(shape: Sequence[int]) -> int:
     return math.prod(shape)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def payload_bytes(codec, numel: int, shape: Sequence[int] | None = None) -> int:
@@ -213,143 +207,223 @@ def _compressible(scheme: Scheme, shape: Sequence[int], min_numel: int = MIN_NUM
     return True
 
 
-def round_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int],
-                workers: int, min_numel: int = MIN_NUMEL, dense: frozenset = frozenset()) -> list[tuple[str, int, int]]:
-    """The rounds of one bucket: ``[(collective, local buffer bytes M, bytes this rank sends)]``.
+# --------------------------------------------------------------------------- bytes and rounds, from the real step
+#: steps run to record one: variable-size codecs' bytes are those of the second compressed step (the first with
+#: error-feedback residuals and momentum); fixed-size codecs send the same every step, so their first is recorded
+RECORDED_STEPS = 2
+#: the scale of :func:`gradients` (normal values times this)
+GRADIENT_SCALE = 1e-3
 
-    One entry per round; collectives issued together in a round (the dense tensors'
-    all-reduce beside the compressed exchange) are summed into it. ``dense``: indices that
-    travel dense whatever their size (the hierarchical exchange's pieces of small tensors,
-    with ``min_numel=0``).
-    """
-    W = workers
-    numels = [numel_of(shapes[i]) for i in bucket]
-    total = sum(numels)
+
+def gradients(shapes: Sequence[Sequence[int]], seed: int = 0) -> list[torch.Tensor]:
+    """The gradients the model records a step on and ``plan`` calibrates on: float32 normal values times
+    :data:`GRADIENT_SCALE`, one generator seeded ``seed``, tensors in model order (new tensors). Only
+    variable-size codecs' bytes depend on them."""
+    return [g.clone() for g in _gradients(tuple(tuple(int(d) for d in s) for s in shapes), seed)]
+
+
+@functools.lru_cache(maxsize=2)
+def _gradients(shapes: tuple, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=gen) * GRADIENT_SCALE for s in shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One step of a scheme as the real step issued it (:func:`record_step`).
+
+    ``workers[j][b][r]``: the collectives (:class:`~gradcompress.collectives.Issued`: kind, bytes, group size,
+    link) of round r of bucket b as local rank j of a node issues them; one entry when every worker issues the
+    same sizes (flat exchanges, a hierarchical one of fixed-size payloads), ``per_node`` entries otherwise.
+    ``per_node``: G of a hierarchical layout (1: flat)."""
+
+    workers: tuple
+    per_node: int = 1
+
+    @property
+    def buckets(self) -> tuple:
+        """Per bucket, the rounds of local rank 0 (the worker whose bytes ``wire_bytes`` reports)."""
+        return self.workers[0]
+
+    def sent(self, link: str | None = None, local_rank: int = 0) -> int:
+        """Bytes a worker (``local_rank`` of a node) transmits in the step, counted as ``stats()`` does: on every link,
+        or on ``link`` only (``"world"``: the flat group; ``"intra"``, ``"inter"``: a node layout's groups)."""
+        worker = self.workers[local_rank if len(self.workers) > 1 else 0]
+        return sum(c.sent for rounds in worker for r in rounds for c in r if link in (None, c.link))
+
+
+def hierarchical_supported(scheme: Scheme) -> bool:
+    """Whether :func:`predict_nodes` runs the scheme hierarchical: our codecs except PowerSGD (its exchange of whole
+    tensors owned by local ranks is recorded by :func:`record_step` and counted by :func:`node_bytes`, but its codec
+    work on nodes has no pass counts here: ``plan`` shows it flat)."""
+    return scheme.kind == "ours" and scheme.codec.aggregation.value != "lowrank"
+
+
+def record_step(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, bucket_cap: int | None = None,
+                per_node: int | None = None) -> Recorded:
+    """Bytes and rounds of one step of ``scheme`` on ``workers`` ranks, recorded from the real step: our
+    Compressor (warm-up 0, seed 0, the scheme's options but its ``schedule``: the steady state) steps on
+    :func:`gradients` with one exchange per DDP bucket (:func:`buckets_for`, each bucket a flat buffer as DDP hands
+    it to the hook) on :class:`~gradcompress.collectives.RecordingCollectives`; with ``per_node`` G (2 or more, and
+    2 or more nodes) the world is N = workers / G nodes and the exchange hierarchical. PyTorch's baselines:
+    :func:`hook_job`. Variable-size codecs: every rank is recorded (N G steps), each collective counted at the most
+    its group sent. Cached: the same arguments record once."""
+    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    G = per_node if per_node and per_node > 1 and workers // per_node > 1 else 1
+    if workers % G:
+        raise ValueError(f"record_step: {per_node} workers per node do not divide {workers} workers")
+    return _record(scheme, shapes, int(workers), bucket_cap, G)
+
+
+@functools.lru_cache(maxsize=64)
+def _record(scheme: Scheme, shapes: tuple, workers: int, bucket_cap: int | None, G: int) -> Recorded:
+    N = workers // G
+    variable = scheme.kind == "ours" and not scheme.codec.fixed_layout
+    owners = G > 1 and scheme.kind == "ours" and scheme.codec.aggregation is Aggregation.LOWRANK
+    if variable:  # every rank: payload sizes differ by rank (its seed, its pieces)
+        ranks = [(n, j) for n in range(N) for j in range(G)]
+    else:  # every rank alike, or (PowerSGD's owners) every local rank alike on every node
+        ranks = [(0, j) for j in range(G if owners else 1)]
+    steps = RECORDED_STEPS if variable else 1
+    views = {rank: _record_rank(scheme, shapes, bucket_cap, N, G, rank, steps) for rank in ranks}
+    return Recorded(tuple(_combined(views, (0, j)) for j in sorted({j for _, j in ranks})), G)
+
+
+def _recording(N: int, G: int, node: int, local: int) -> RecordingCollectives:
+    """The recording collectives of worker ``local`` of node ``node``; hierarchical (a topology of recording
+    sub-groups) for G >= 2."""
+    comm = RecordingCollectives(N * G, node * G + local)
+    if G > 1:
+        comm.topology = Topology(N, G, node, local, comm.sub(G, local, "intra"), comm.sub(N, node, "inter"))
+    return comm
+
+
+def _record_rank(scheme: Scheme, shapes: tuple, bucket_cap: int | None, N: int, G: int, rank: tuple,
+                 steps: int) -> tuple:
+    """Per bucket, the rounds one worker (``rank`` = (node, local rank)) issues in the last of ``steps`` steps from
+    a fresh state (the scheme's ``schedule`` left out: the model predicts the steady state)."""
+    comm = _recording(N, G, *rank)
+    buckets = buckets_for(scheme, shapes, bucket_cap)
+    grads = _gradients(shapes, 0)
+    if scheme.kind in BASELINES:
+        out = []
+        for bucket in buckets:
+            drive([hook_job(scheme, comm, [grads[i] for i in bucket])], comm)
+            out.append(tuple(comm.take_rounds()))
+        return tuple(out)
+    options = {**scheme.compressor, "schedule": None, "ramp_steps": 0, "warmup_steps": 0, "seed": 0}
+    comp = Compressor(scheme.codec, **options, monitor_every=0)
+    for _ in range(steps):
+        out = []
+        with comp.step(comm) as step:
+            for bucket in buckets:  # as DDP's hook: the bucket's flat buffer, the gradients views of it
+                buffer = torch.cat([grads[i].reshape(-1) for i in bucket])
+                step.drive([step.exchange(list(bucket), split(buffer, [shapes[i] for i in bucket]), buffer)])
+                out.append(tuple(comm.take_rounds()))
+    return tuple(out)
+
+
+def _same_group(link: str, a: tuple, b: tuple) -> bool:
+    """Whether workers ``a`` and ``b`` ((node, local rank)) are in the same group of ``link``."""
+    return link == "world" or (link == "intra" and a[0] == b[0]) or (link == "inter" and a[1] == b[1])
+
+
+def _combined(views: dict, me: tuple) -> tuple:
+    """``me``'s rounds, each collective counted at the most any recorded worker of its group sent in its place: a
+    variable-size codec's padded all-gather sends the group's longest payload (fixed sizes: all alike)."""
+    out = []
+    for b, rounds in enumerate(views[me]):
+        out.append(tuple(
+            tuple(max((v[b][r][k] for w, v in views.items() if _same_group(c.link, w, me)), key=lambda x: x.sent)
+                  for k, c in enumerate(rnd))
+            for r, rnd in enumerate(rounds)))
+    return tuple(out)
+
+
+def hook_job(scheme: Scheme, comm, tensors: Sequence[torch.Tensor]) -> Job:
+    """The collectives PyTorch's hook issues for one DDP bucket, on ``comm``: ``ddp`` (DDP's own all-reduce, as
+    ``default_hooks.allreduce_hook``) the float32 bucket; ``torch-fp16`` (``fp16_compress_hook``) its float16
+    cast; ``torch-powersgd`` (``powerSGD_hook`` after ``start_powerSGD_iter``) three all-reduces one after the
+    other (its future chain): the tensors it leaves uncompressed, the Ps, the Qs."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     if scheme.kind == "ddp":
-        return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
+        yield [comm.all_reduce(flat)]
+        return
     if scheme.kind == "torch-fp16":
-        return [("allreduce", 2 * total, allreduce_bytes(2 * total, W))]
-    if scheme.kind == "torch-powersgd":
-        dense = ps = qs = 0
-        for i in bucket:
-            nm = _torch_powersgd_compresses(shapes[i], scheme.rank)
-            if nm is None:
-                dense += numel_of(shapes[i])
-            else:
-                r = min(scheme.rank, *nm)
-                ps += nm[0] * r
-                qs += nm[1] * r
-        b1 = FLOAT_BYTES * (dense + ps)
-        sent1 = allreduce_bytes(FLOAT_BYTES * dense, W) + allreduce_bytes(FLOAT_BYTES * ps, W)
-        return [("allreduce", b1, sent1), ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
-    codec = scheme.codec
-    if codec.exact:  # exact and stateless: the Compressor sends it as DDP does
-        return [("allreduce", FLOAT_BYTES * total, allreduce_bytes(FLOAT_BYTES * total, W))]
-    comp = [i for i in bucket if i not in dense and _compressible(scheme, shapes[i], min_numel)]
-    dense = sum(numel_of(shapes[i]) for i in bucket if i not in comp)
-    agg = codec.aggregation.value
-    # the finiteness flag travels with the dense tensors; without them only for codecs whose received data
-    # cannot carry a NaN/Inf (gradcompress.step: random-k)
-    rides = codec.preserves_nonfinite
-    dense_bytes = FLOAT_BYTES * (dense + 1) if dense or not rides or not comp else 0
-    dense_sent = allreduce_bytes(dense_bytes, W)
-    if not comp:
-        return [("allreduce", dense_bytes, dense_sent)]
-    if agg == "sum":
-        pay = sum(payload_bytes(codec, numel_of(shapes[i]), shapes[i]) for i in comp)
-        return [("allreduce", dense_bytes + pay, dense_sent + allreduce_bytes(pay, W))]
-    if agg == "gather":
-        pay = sum(payload_bytes(codec, numel_of(shapes[i]), shapes[i]) for i in comp)
-        return [("allgather", dense_bytes + pay, dense_sent + allgather_bytes(pay, W))]
-    if agg == "requantize":
-        if W == 1:
-            return [("allreduce", dense_bytes, 0)]
-        numels = [numel_of(shapes[i]) for i in comp]
-        grouped = codec.slices_by_bucket()
-        whole = [n for n in numels if grouped and fills_buckets(n, codec.bucket)]  # one payload for these
-        per_rank = payload_bytes(codec, whole_group_elements(whole, codec.bucket, W) // W) if whole else 0
-        per_rank += sum(payload_bytes(codec, chunk_numel(n, W)) for n in numels
-                        if not (grouped and fills_buckets(n, codec.bucket)))  # W chunks of each of these
-        send = W * per_rank
-        return [("alltoall", dense_bytes + send, dense_sent + alltoall_bytes(send, W)),
-                ("allgather", per_rank, allgather_bytes(per_rank, W))]
-    # lowrank (PowerSGD): P then Q
-    ps = qs = 0
-    for i in comp:
-        n, m = codec.matrix_shape(tuple(shapes[i]))
-        r = min(codec.rank, n, m)
-        ps += n * r
-        qs += m * r
-    return [("allreduce", dense_bytes + FLOAT_BYTES * ps, dense_sent + allreduce_bytes(FLOAT_BYTES * ps, W)),
-            ("allreduce", FLOAT_BYTES * qs, allreduce_bytes(FLOAT_BYTES * qs, W))]
+        yield [comm.all_reduce(flat.half())]
+        return
+    dense = ps = qs = 0
+    for t in tensors:
+        nm = _torch_powersgd_compresses(tuple(t.shape), scheme.rank)
+        if nm is None:
+            dense += t.numel()
+        else:
+            r = min(scheme.rank, *nm)
+            ps, qs = ps + nm[0] * r, qs + nm[1] * r
+    for numel in (dense, ps, qs):
+        yield [comm.all_reduce(torch.zeros(numel))]
 
 
 def wire_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int,
                bucket_cap: int | None = None) -> int:
-    """Bytes one rank transmits per (compressed) step, counted as ring algorithms send them."""
-    return sum(sent for b in buckets_for(scheme, shapes, bucket_cap)
-               for _, _, sent in round_bytes(scheme, shapes, b, workers))
+    """Bytes one rank transmits per (compressed) step, as ``stats()["wire_bytes"]`` counts them (recorded)."""
+    return record_step(scheme, shapes, workers, bucket_cap).sent()
+
+
+#: message steps of each collective among w ranks (the alpha terms above), by kind
+MESSAGE_STEPS = {"all_reduce": lambda w: 2 * (w - 1), "all_gather": lambda w: w - 1, "all_to_all": lambda w: w - 1,
+                 "all_to_all_v": lambda w: w - 1, "reduce_scatter": lambda w: w - 1}
+
+
+def message_steps(issued: Sequence[Issued]) -> int:
+    """Message steps of a round: its collectives are in flight together, the longest chain counts (a collective
+    of no bytes costs none)."""
+    return max((MESSAGE_STEPS[c.kind](c.world) for c in issued if c.nbytes), default=0)
+
+
+def round_seconds(issued: Sequence[Issued], bandwidth: float, alpha: float) -> float:
+    """A round on a worker's own link: its collectives' bytes over ``bandwidth``, plus ``alpha`` per message step."""
+    return sum(c.sent for c in issued) / bandwidth + alpha * message_steps(issued)
 
 
 # --------------------------------------------------------------------------- nodes
 #: the default link inside a node: NVLink-class, 100 GB/s per direction (800 Gbit/s)
 INTRA_NODE_RATE_BIT = 800e9
-#: message steps of each collective among W workers (the alpha terms above)
-MESSAGE_STEPS = {"allreduce": lambda w: 2 * (w - 1), "allgather": lambda w: w - 1, "alltoall": lambda w: w - 1}
 
 
-def hierarchical_supported(scheme: Scheme) -> bool:
-    """Whether the scheme has a hierarchical exchange: our codecs except PowerSGD (it needs whole matrices)."""
-    return scheme.kind == "ours" and scheme.codec.aggregation.value != "lowrank"
+def _flat_uplink(c: Issued, G: int) -> int:
+    """What one of the flat exchange's collectives puts on a node's uplink (ranks contiguous per node): gloo's
+    all-reduce and all-gather are rings in rank order, so the uplink carries what the node's last rank sends (a
+    worker's own count); its all-to-all sends every block directly, so the uplink carries G (W-G)/W of each
+    worker's buffer: (W-G)/(W-1) of the worker's count, G times."""
+    W = c.world
+    if c.kind in ("all_to_all", "all_to_all_v") and W > 1:
+        return G * c.sent * (W - G) // (W - 1)
+    return c.sent
 
 
-def piece_shapes(shapes: Sequence[Sequence[int]], per_node: int) -> list[tuple[int]]:
-    """The hierarchical exchange's piece of each tensor a worker sends between nodes: ceil(n / G) elements."""
-    return [(_ceil_div(numel_of(s), per_node),) for s in shapes]
-
-
-def flat_uplink_rounds(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int], nodes: int,
-                       per_node: int) -> list[tuple[str, int, int]]:
-    """The flat exchange's rounds of one bucket on N nodes of G workers (ranks contiguous per node): ``[(collective,
-    bytes one node's uplink carries, 0)]``. gloo's all-reduce and all-gather are rings in rank order, so the uplink
-    carries what the node's last rank sends (a worker's own count); its all-to-all sends every block directly, so
-    the uplink carries G (W-G)/W of each worker's buffer: (W-G)/(W-1) of the worker's count, G times (the dense
-    tensors all-reduced in the same round are counted at that share too: a few KB)."""
-    W, G = nodes * per_node, per_node
+def node_rounds(recorded: Recorded, bucket: int, per_node: int) -> list[tuple[int, int, int]]:
+    """The rounds of one bucket on N nodes of G workers: ``[(bytes one node's uplink carries, bytes one worker
+    sends inside its node, message steps)]``. Hierarchical: the node's G workers each send their own exchange
+    between nodes at once; flat (``recorded`` among all N G workers): :func:`_flat_uplink`."""
+    G, workers = per_node, recorded.workers
     out = []
-    for kind, _, sent in round_bytes(scheme, shapes, bucket, W):
-        uplink = sent if kind != "alltoall" else G * sent * (W - G) // (W - 1)
-        out.append((kind, uplink, 0))
+    for r, mine in enumerate(workers[0][bucket]):
+        each = [w[bucket][r] for w in workers] if len(workers) > 1 else [mine] * G
+        up = sum(_flat_uplink(c, G) for c in mine if c.link == "world")
+        up += sum(c.sent for issued in each for c in issued if c.link == "inter")
+        out.append((up, sum(c.sent for c in mine if c.link == "intra"), message_steps(mine)))
     return out
-
-
-def hierarchical_rounds(scheme: Scheme, shapes: Sequence[Sequence[int]], bucket: Sequence[int], nodes: int,
-                        per_node: int) -> list[tuple[str, int, int]]:
-    """The hierarchical exchange's rounds of one bucket (:mod:`gradcompress.exchanges.hierarchical`):
-    ``[(collective, bytes one node's uplink carries, bytes one worker sends inside the node)]``: the reduce-scatter
-    inside the node ((G-1)/G of the G blocks of pieces, float32), the codec's exchange of this worker's pieces
-    (ceil(n/G) of each tensor; those of tensors below ``MIN_NUMEL`` dense) among the N workers of its local rank,
-    which every one of the node's G workers runs at once on the uplink, then the all-gather of the averaged pieces
-    and a flag inside."""
-    G = per_node
-    pieces = piece_shapes(shapes, G)
-    block = sum(numel_of(pieces[i]) for i in bucket)
-    small = frozenset(i for i in bucket if numel_of(shapes[i]) < MIN_NUMEL)
-    inner = round_bytes(scheme, pieces, bucket, nodes, min_numel=0, dense=small) if not scheme.codec.exact else \
-        [("allreduce", FLOAT_BYTES * block, allreduce_bytes(FLOAT_BYTES * block, nodes))]
-    intra_rs = (G - 1) * FLOAT_BYTES * block
-    intra_ag = (G - 1) * FLOAT_BYTES * (block + 1)
-    return ([("reduce_scatter", 0, intra_rs)] + [(kind, G * sent, 0) for kind, _, sent in inner]
-            + [("allgather_intra", 0, intra_ag)])
 
 
 def node_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int, hierarchical: bool,
                bucket_cap: int | None = None) -> tuple[int, int]:
-    """(bytes one node's uplink carries, bytes one worker sends inside its node) per (compressed) step; flat
-    counts only the uplink (its traffic inside the node overlaps the uplink's)."""
-    rounds = hierarchical_rounds if hierarchical else flat_uplink_rounds
-    rs = [r for b in buckets_for(scheme, shapes, bucket_cap) for r in rounds(scheme, shapes, b, nodes, per_node)]
-    return sum(up for _, up, _ in rs), sum(intra for _, _, intra in rs)
+    """(bytes one node's uplink carries, bytes one worker sends inside its node) per (compressed) step, from the
+    recorded step; flat counts only the uplink (its traffic inside the node overlaps the uplink's). Hierarchical:
+    the uplink's bytes are the sum of the node's workers' ``stats()["inter_node_bytes"]``."""
+    rec = record_step(scheme, shapes, nodes * per_node, bucket_cap, per_node if hierarchical else None)
+    rounds = [r for b in range(len(rec.buckets)) for r in node_rounds(rec, b, per_node)]
+    return sum(up for up, _, _ in rounds), (sum(intra for _, intra, _ in rounds) if hierarchical else 0)
 
 
 def node_uplink_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int,
@@ -363,38 +437,30 @@ def node_bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int
                      error_feedback: bool = True, bucket_cap: int | None = None) -> list[BucketWork]:
     """The buckets of one step on N nodes of G workers; a round's time is its uplink bytes over ``uplink`` (the
     node's payload bytes/s, shared by its G workers) plus its intra-node bytes over ``intra``, plus ``alpha`` per
-    message step. Codec work: the pass counts of :func:`codec_passes` (flat: on the whole tensors among W;
-    hierarchical: on the pieces among N, plus 3 passes over the bucket for the blocks, the mean and the landing)."""
+    message step (:func:`node_rounds`). Codec work: the pass counts of :func:`codec_passes` (flat: on the whole
+    tensors among W; hierarchical: on the pieces among N, plus 3 passes over the bucket for the blocks, the mean
+    and the landing)."""
     W, G = nodes * per_node, per_node
-    rounds_of = hierarchical_rounds if hierarchical else flat_uplink_rounds
+    rec = record_step(scheme, shapes, W, bucket_cap, G if hierarchical else None)
     total = sum(numel_of(s) for s in shapes) or 1
     codec = speed_codec(scheme)
     out, done = [], 0
-    for b in buckets_for(scheme, shapes, bucket_cap):
-        numel = sum(numel_of(shapes[i]) for i in b)
+    for b, bucket in enumerate(buckets_for(scheme, shapes, bucket_cap)):
+        numel = sum(numel_of(shapes[i]) for i in bucket)
         done += numel
-        n = numel if scheme.kind != "ours" else sum(numel_of(shapes[i]) for i in b if _compressible(scheme, shapes[i]))
+        n = numel if scheme.kind != "ours" else sum(numel_of(shapes[i]) for i in bucket
+                                                    if _compressible(scheme, shapes[i]))
         phases = codec_passes(scheme, nodes if hierarchical else W, error_feedback) if n else [{}]
         secs = [contention * _phase_seconds(p, codec, speeds, n // G if hierarchical else n) for p in phases]
-        rounds = rounds_of(scheme, shapes, b, nodes, per_node)
+        rounds = node_rounds(rec, b, G)
         if hierarchical:  # the reduce-scatter comes first: the hook's codec work waits for it
             secs = [contention * 2 * numel * speeds.elementwise] + secs
             secs[-1] += contention * numel * speeds.elementwise
         secs += [0.0] * (len(rounds) + 1 - len(secs))
-        comm = [up / uplink + sent / intra + alpha * _message_steps(kind, nodes, per_node, hierarchical)
-                for kind, up, sent in rounds]
+        comm = [up / uplink + sent / intra + alpha * steps for up, sent, steps in rounds]
         out.append(BucketWork(ready=done / total, hook_s=secs[0],
                               rounds=tuple(Round(c, a) for c, a in zip(comm, secs[1:]))))
     return out
-
-
-def _message_steps(kind: str, nodes: int, per_node: int, hierarchical: bool) -> int:
-    """Message steps of a round: intra-node collectives among G, the rest among N (hierarchical) or W (flat)."""
-    if kind == "reduce_scatter":
-        return per_node - 1
-    if kind == "allgather_intra":
-        return per_node - 1
-    return MESSAGE_STEPS[kind](nodes if hierarchical else nodes * per_node)
 
 
 def predict_nodes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, per_node: int, rate_bit: float,
@@ -415,11 +481,6 @@ def predict_nodes(scheme: Scheme, shapes: Sequence[Sequence[int]], nodes: int, p
     return Prediction(scheme=scheme.text, step_s=st.step_s, compute_s=compute_s, codec_s=st.codec_s, comm_s=st.comm_s,
                       exposed_comm_s=st.exposed_comm_s, wire_bytes=up, buckets=len(buckets),
                       topology="hierarchical" if hierarchical else "flat", intra_bytes=intra)
-
-
-def collective_time(kind: str, nbytes: float, workers: int, bandwidth: float, alpha: float) -> float:
-    return {"allreduce": allreduce_time, "allgather": allgather_time,
-            "alltoall": alltoall_time}[kind](nbytes, workers, bandwidth, alpha)
 
 
 # --------------------------------------------------------------------------- codec work
@@ -476,8 +537,8 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     if scheme.kind == "torch-fp16":  # cast to fp16 and divide; decompress into the bucket
         return [{"ew": 2}, {"ew": 1}]
     ef = 1 if error_feedback else 0
-    if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone; M Q | M^T P | P Q^T, error, copy back
-        return [{"ew": 3, "enc": 0.5}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
+    if scheme.kind == "torch-powersgd":  # bucket copy, EF add, clone, M Q | (uncompressed) | M^T P | P Q^T, error, copy
+        return [{"ew": 3, "enc": 0.5}, {}, {"enc": 0.5}, {"dec": 1, "ew": 3}]
     if scheme.codec.exact:  # a plain all-reduce and a divide, as DDP's default hook
         return [{"ew": 1}, {}]
     agg = scheme.codec.aggregation.value
@@ -485,8 +546,9 @@ def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> l
     base = {"ew": 2 + ef}
     if agg == "sum":
         return [{**base, "ew": base["ew"] + 1, "enc": 1, "dec": 1}, {"dec": 1, "ew": 2}]
-    if agg == "gather":
-        return [{**base, "enc": 1, "dec": 1}, {"dec": W, "ew": W + 2}]
+    if agg == "gather":  # variable sizes (dgc, threshold): the sizes' round first
+        sizes = [] if scheme.codec.fixed_layout else [{}]
+        return [{**base, "enc": 1, "dec": 1}, *sizes, {"dec": W, "ew": W + 2}]
     if agg == "requantize":
         if W == 1:
             return [{**base, "enc": 1, "dec": 1}]
@@ -519,27 +581,31 @@ def _phase_seconds(phase: dict, codec, speeds: Speeds, numel: int) -> float:
 def bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, bandwidth: float, alpha: float,
                 speeds: Speeds, contention: float = 1.0, error_feedback: bool = True,
                 bucket_cap: int | None = None) -> list[BucketWork]:
-    """The buckets of one step of ``scheme``, in the order their gradients become ready."""
+    """The buckets of one step of ``scheme``, in the order their gradients become ready: each round of the
+    recorded step (:func:`record_step`) timed by :func:`round_seconds`, then the codec work after it."""
     buckets = buckets_for(scheme, shapes, bucket_cap)
+    recorded = record_step(scheme, shapes, workers, bucket_cap).buckets
     total = sum(numel_of(s) for s in shapes) or 1
     out, done = [], 0
-    for b in buckets:
+    for b, rounds in zip(buckets, recorded):
         done += sum(numel_of(shapes[i]) for i in b)
-        rounds = round_bytes(scheme, shapes, b, workers)
         if scheme.kind == "ours":
             n = sum(numel_of(shapes[i]) for i in b if _compressible(scheme, shapes[i]))
             codec = scheme.codec
         else:
             n, codec = sum(numel_of(shapes[i]) for i in b), speed_codec(scheme)
-        # measured phases of our Compressor (torch-powersgd: ours at the same rank stands in for it)
+        # measured phases of our Compressor (torch-powersgd: ours at the same rank stands in for it, with nothing
+        # to do after the hook's first round, its uncompressed tensors' all-reduce)
         measured = speeds.phases.get(phase_key(codec, workers)) if codec is not None else None
         if n and measured is not None:
             secs = [contention * n * m for m in measured]
+            if scheme.kind == "torch-powersgd":
+                secs = secs[:1] + [0.0] + secs[1:]
         else:
             phases = codec_passes(scheme, workers, error_feedback) if n else [{}]
             secs = [contention * _phase_seconds(p, codec, speeds, n) for p in phases]
         secs += [0.0] * (len(rounds) + 1 - len(secs))
-        comm = [collective_time(kind, nbytes, workers, bandwidth, alpha) for kind, nbytes, _ in rounds]
+        comm = [round_seconds(r, bandwidth, alpha) for r in rounds]
         out.append(BucketWork(ready=done / total, hook_s=secs[0],
                               rounds=tuple(Round(c, a) for c, a in zip(comm, secs[1:]))))
     return out
@@ -651,11 +717,10 @@ def square_shapes(params: int, side: int = 2048) -> list[tuple[int, ...]]:
     return shapes
 
 
-__all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "Prediction", "Round", "Scheme", "Speeds", "StepTime",
-           "allgather_bytes", "allgather_time", "allreduce_bytes", "allreduce_time", "alltoall_bytes",
-           "alltoall_time", "bucket_work", "buckets_for", "chunk_numel", "codec_passes", "ddp_buckets",
-           "default_error_feedback", "format_rate", "INTRA_NODE_RATE_BIT", "hierarchical_rounds",
-           "hierarchical_supported", "flat_uplink_rounds", "node_bytes", "node_bucket_work", "node_uplink_bytes",
-           "piece_shapes", "predict_nodes", "parse_duration", "phase_key", "parse_rate", "parse_scheme",
-           "payload_bandwidth", "payload_bytes", "predict", "round_bytes", "simulate_step", "speed_codec", "square_shapes",
-           "two_step_time", "wire_bytes", "with_speedups"]
+__all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "INTRA_NODE_RATE_BIT", "MESSAGE_STEPS", "Prediction",
+           "Recorded", "Round", "Scheme", "Speeds", "StepTime", "allgather_time", "allreduce_time", "alltoall_time",
+           "bucket_work", "buckets_for", "codec_passes", "ddp_buckets", "default_error_feedback", "format_rate",
+           "gradients", "hierarchical_supported", "hook_job", "message_steps", "node_bucket_work", "node_bytes",
+           "node_rounds", "node_uplink_bytes", "parse_duration", "parse_rate", "parse_scheme", "payload_bandwidth",
+           "payload_bytes", "phase_key", "predict", "predict_nodes", "record_step", "round_seconds", "simulate_step",
+           "speed_codec", "square_shapes", "two_step_time", "wire_bytes", "with_speedups"]

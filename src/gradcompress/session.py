@@ -82,13 +82,15 @@ class Session:
         c = self.config
         text = f"{c.text()} topology={topology_mod.describe(c.topology)} intra_node={c.intra_node}"
         keys = self.comm.check_same(text, "gradcompress", topology_mod.node_key() if c.topology == "auto" else None)
-        if isinstance(self.comm, LocalCollectives):
+        local = isinstance(self.comm, LocalCollectives)
+        if local and self.comm.topology is None:  # no group; the cost model's recording may carry N x G workers
             return
-        self.nodes = topology_mod.nodes_of(c.topology, self.comm.group, keys)
+        option = self.comm.topology if local else c.topology
+        self.nodes = topology_mod.nodes_of(option, self.comm.group, keys)
         if self.nodes is None or len(self.nodes) < 2 or len(self.nodes[0]) < 2:
             return
         whole = c.codec.aggregation is Aggregation.LOWRANK
-        layout = topology_mod.build(c.topology, self.nodes, self.comm.group)
+        layout = topology_mod.build(option, self.nodes, self.comm.group)
         self.hierarchy = Hierarchy(layout, c.intra_node, owners=whole)
 
     def world(self) -> int:

@@ -1,7 +1,10 @@
 """``gradcompress plan``: predict the step time of every scheme on a given network, before running anything.
 
-The model is :mod:`gradcompress.costmodel` (alpha-beta costs of the collectives each scheme
-uses, DDP's buckets, communication overlapping the backward pass). Its per-element codec
+The model is :mod:`gradcompress.costmodel`: the bytes and rounds of collectives each scheme
+sends, recorded from one real step of the Compressor on the model's tensors in DDP's buckets
+(``costmodel.record_step``: a recording stand-in for the group, so ``plan`` and ``stats()``
+count the same bytes), timed with alpha-beta costs, communication overlapping the backward
+pass. Its per-element codec
 costs come from a short calibration on this machine with ``--threads`` torch threads (1,
 as ``netbench``'s workers on 2 cores): our Compressor's exchange of the model's own tensors
 in its DDP buckets with the collectives replaced by local stand-ins, timed phase by phase
@@ -156,20 +159,19 @@ def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1,
     with the collectives replaced by local stand-ins: the fastest of ``steps - 1`` steps (after one
     without a residual), summed over the buckets, divided by the elements compressed. Keys:
     ``costmodel.phase_key(codec, workers)``. Drives the Compressor's public step protocol with
-    :class:`gradcompress.exchange.LocalCollectives`; a codec whose run fails is left out (pass counts
+    :class:`gradcompress.collectives.LocalCollectives`; a codec whose run fails is left out (pass counts
     are used)."""
     import torch
 
     import gradcompress
+    from .. import collectives
     from .. import costmodel as cm
-    from .. import exchange
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     out = {}
     try:
-        gen = torch.Generator().manual_seed(0)
-        grads = [torch.randn(tuple(sh), generator=gen) * 1e-3 for sh in shapes]
+        grads = cm.gradients(shapes)  # the data the model records the step's bytes on
         for codec in codecs:
             key = cm.phase_key(codec, workers)
             if key in out:
@@ -178,7 +180,7 @@ def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1,
             buckets = cm.buckets_for(scheme, shapes)
             try:
                 comp = gradcompress.Compressor(codec, warmup_steps=0, seed=0)
-                local = exchange.LocalCollectives(workers)
+                local = collectives.LocalCollectives(workers)
                 runs = []
                 for _ in range(steps):
                     per_bucket = []

@@ -64,7 +64,9 @@ class Hierarchy:
     def __init__(self, topology, intra_node: str = "none", owners: bool = False):
         self.topology, self.owners = topology, owners
         self.assigned: dict = {}  # owners=True: key -> the local rank that owns it (kept across steps)
-        self.intra, self.inter = Collectives(topology.intra), Collectives(topology.inter)
+        # process groups, or collectives ready made (the cost model's RecordingCollectives), used as they are
+        self.intra, self.inter = (g if isinstance(g, Collectives) else Collectives(g)
+                                  for g in (topology.intra, topology.inter))
         self.cast = CASTS[intra_node]
 
     def exchange(self, codec: Codec | None, seed: int, min_numel: int):
