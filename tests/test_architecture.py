@@ -179,3 +179,28 @@ def test_codec_capabilities_are_declared_not_probed():
                     and (node.func.id == "hasattr" or isinstance(node.args[1], ast.Constant))):
                 probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert probes == []
+
+
+def test_the_compressor_is_a_small_face():
+    """compressor.py at most 250 lines, and its __init__ sets at most 12 attributes."""
+    path = ROOT / "compressor.py"
+    assert len(path.read_text().splitlines()) <= 250
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Compressor")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    names = {t.attr for node in ast.walk(init) if isinstance(node, ast.Assign) for target in node.targets
+             for t in ast.walk(target) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+             and t.value.id == "self"}
+    assert 0 < len(names) <= 12, sorted(names)
+
+
+def test_every_exchange_has_one_signature():
+    """Every exchange class's ``job`` takes (ctx, keys, inputs, outputs)."""
+    odd = []
+    for path in sorted((ROOT / "exchanges").glob("*.py")):
+        for cls in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)):
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "job"):
+                if len(fn.args.args) != 5 or fn.args.vararg or fn.args.kwonlyargs or fn.args.defaults:
+                    odd.append(f"{path.name}:{cls.name}.job")
+    jobs = sum(1 for path in (ROOT / "exchanges").glob("*.py") for n in ast.walk(ast.parse(path.read_text()))
+               if isinstance(n, ast.FunctionDef) and n.name == "job")
+    assert odd == [] and jobs >= 10, (odd, jobs)

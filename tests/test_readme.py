@@ -60,6 +60,11 @@ def test_the_pages_have_snippets_and_few_are_skipped():
     assert len(front) >= 3 and not any(p.marks for p in front)  # DDP, FSDP2, the custom loop: all of them run
 
 
+def test_the_readme_is_a_front_page():
+    """At most 250 lines: the measured tables and long explanations live in docs/."""
+    assert len(open(README).read().splitlines()) <= 250
+
+
 def test_the_readme_starts_with_the_two_commands():
     blocks = re.findall(r"^```(?:bash|sh|shell)\n(.*?)^```$", open(README).read(), re.S | re.M)
     assert [b.strip() for b in blocks[:2]] == COMMANDS
