@@ -1,6 +1,6 @@
 """The per-step cost of a Compressor step as the number of workers grows, without a network (issue 14).
 
-Every collective is a local stand-in (:class:`gradcompress.exchange.LocalCollectives`, as ``gradcompress
+Every collective is a local stand-in (:class:`gradcompress.collectives.LocalCollectives`, as ``gradcompress
 plan`` calibrates): an all-reduce multiplies by W, an all-gather returns W copies, an all-to-all a copy.
 So the time measured is the step's own work at W workers: Python, the encodes and the W-way decodes
 and sums. 100 float32 gradients of 4096 elements (the issue's case), library defaults, median of
@@ -18,7 +18,7 @@ import time
 import torch
 
 import gradcompress
-from gradcompress import exchange
+from gradcompress.collectives import LocalCollectives
 
 
 def step_seconds(spec: str, world: int, tensors: int, numel: int, repeats: int) -> float:
@@ -26,7 +26,7 @@ def step_seconds(spec: str, world: int, tensors: int, numel: int, repeats: int) 
     grads = [torch.randn(numel, generator=g) for _ in range(tensors)]
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
     comp = gradcompress.Compressor(spec, min_numel=0)
-    local = exchange.LocalCollectives(world)
+    local = LocalCollectives(world)
     times = []
     for i in range(repeats + 2):
         for p, t in zip(params, grads):

@@ -32,7 +32,7 @@ def test_resume_mid_interval_is_bit_exact(tmp_path):
 def test_wire_bytes_match_the_payload_arithmetic():
     """Per sync: tensors under min_numel (1024) in one dense all-reduce with the finiteness flag, the
     others by the codec's collective (int8/int4: the two-step reduce)."""
-    from gradcompress.exchange import chunk_numel
+    from gradcompress.exchanges.layout import chunk_numel
 
     world, syncs, codecs = 2, 3, ["none", "int8", "int4"]
     for result in launch.run(dw.wire_bytes, world, codecs, 2, syncs, timeout=TIMEOUT):

@@ -77,8 +77,8 @@ def test_replicas_identical_after_compressed_steps(checks):
 
 def test_state_is_float32_with_chunk_sized_server_residual(checks):
     world, results = checks
-    from gradcompress.exchange import chunk_numel
-    from gradcompress.exchange import CHUNK_BLOCK
+    from gradcompress.exchanges.layout import chunk_numel
+    from gradcompress.exchanges.layout import CHUNK_BLOCK
 
     r = results[0]
     assert set(r["state_dtypes"]) == {"step", "exp_avg", "exp_avg_sq", "worker_error", "server_error"}
