@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradcompress import launch
+from gradcompress.testbed import launch
 from gradcompress.cli import task
 
 

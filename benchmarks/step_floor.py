@@ -67,7 +67,7 @@ def worker(rank: int, world: int, specs: list[str]) -> dict:
 
 
 def main() -> None:
-    from gradcompress import launch
+    from gradcompress.testbed import launch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schemes", default="sign;int8;topk", help="';'-separated codec specs")

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import gradcompress
-from gradcompress.cli.task import split_scheme
+from gradcompress.cli.schemes import split_scheme
 from workers import batch, make_model
 
 

@@ -237,7 +237,7 @@ def all_cases(rank, world) -> dict:
 
 
 def record_world(world: int) -> dict:
-    from gradcompress import launch
+    from gradcompress.testbed import launch
 
     return launch.run(all_cases, world, timeout=900)[0]
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import gradcompress
-from gradcompress.cli.task import split_scheme
+from gradcompress.cli.schemes import split_scheme
 from workers import batch, make_model
 
 NODES, PER_NODE = 2, 2

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gradcompress
-from gradcompress.cli.task import split_scheme
+from gradcompress.cli.schemes import split_scheme
 from workers import _train_checkpoint, batch, make_model
 
 

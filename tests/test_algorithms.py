@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import algo_workers
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.codecs.sparse import DGC_STAGES, dgc_density
 from gradcompress.schedule import codec_at, ramp_rank, ramp_ratio
 

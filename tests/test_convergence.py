@@ -13,7 +13,7 @@ scheme, so the test stays near 80 seconds.
 
 import pytest
 
-from gradcompress import launch
+from gradcompress.testbed import launch
 from gradcompress.cli import demo, task
 
 SCHEMES = [s for s in demo.DEFAULT_SCHEMES if task.scheme_name(s) != task.ONEBITADAM] + \

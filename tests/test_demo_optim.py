@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import demo_workers as dw
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.codecs.dct import ChunkLayout, dct_matrix
 from gradcompress.optim import DeMo
 from gradcompress.scheme import parse_scheme

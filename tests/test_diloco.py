@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import diloco_workers as dw
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 
 TIMEOUT = 240
 

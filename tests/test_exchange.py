@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workers
-from gradcompress import launch
+from gradcompress.testbed import launch
 
 TIMEOUT = 240
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fsdp_workers as fw
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.cli import task
 
 TIMEOUT = 300

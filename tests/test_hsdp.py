@@ -10,7 +10,8 @@ import torch
 
 import hsdp_workers as hw
 from fsdp_workers import shard_rows
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.cli import task
 from gradcompress.adapters.fsdp_params import PARAM_BLOCK
 

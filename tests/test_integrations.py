@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gradcompress.launch import free_port
+from gradcompress.testbed.launch import free_port
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import localsteps_workers as lw
-from gradcompress import launch
+from gradcompress.testbed import launch
 from gradcompress.optim import CompressedAdam, OneBitAdam
 from gradcompress.optim.onebit_adam import sync_due
 from gradcompress.scheme import parse_scheme

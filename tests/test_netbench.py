@@ -17,9 +17,11 @@ import time
 import pytest
 
 from gradcompress import costmodel as cm
-from gradcompress import netns
 from gradcompress.cli import main, netbench
 from gradcompress.cli.common import CLIError
+from gradcompress.cli.schemes import check
+from gradcompress.testbed import netns
+from gradcompress.testbed import netbench_fsdp as nf
 
 NETNS_PROBLEM = netns.probe()
 needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
@@ -283,12 +285,10 @@ def test_netbench_fsdp_on_nodes_compressed_hsdp_and_parameters_below_dense():
 
 
 def test_netbench_fsdp_scheme_options():
-    from gradcompress.cli import netbench_fsdp as nf
-
     assert nf.split("hsdp") == (None, "hsdp", None)
     assert nf.split("topk:ratio=0.01,layout=hsdp,params=bf16") == ("topk:ratio=0.01", "hsdp", "bf16")
     assert nf.split("int4:params=int8") == ("int4", "fsdp", "int8")
     for bad, says in [("int8:layout=ring", "layout must be one of fsdp, hsdp"), ("int8:params=int4", "params must"),
                       ("powersgd:rank=2", "powersgd cannot compress FSDP")]:
         with pytest.raises(CLIError, match=says):
-            nf.check(bad)
+            check(bad, "netbench", fsdp=True, nodes=True)

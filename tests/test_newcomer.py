@@ -22,7 +22,7 @@ import torch
 
 import gradcompress
 import newcomer_workers as nw
-from gradcompress import launch
+from gradcompress.testbed import launch
 from gradcompress.collectives import LocalCollectives
 
 TIMEOUT = 240

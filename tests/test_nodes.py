@@ -11,7 +11,8 @@ import torch
 
 import gradcompress
 import nodes_workers as nw
-from gradcompress import launch, topology
+from gradcompress import topology
+from gradcompress.testbed import launch
 from gradcompress.collectives import LocalCollectives
 from gradcompress.exchanges.layout import chunk_numel, fills_buckets
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import onebit_workers as ow
-from gradcompress import launch
+from gradcompress.testbed import launch
 from gradcompress.optim import OneBitAdam
 
 WARMUP, COMPRESSED = 4, 6

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import readme_workers  # tests/ is on sys.path (conftest.py), so the spawned workers import it too
-from gradcompress import launch
+from gradcompress.testbed import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

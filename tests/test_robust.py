@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import robust_workers as rw
-from gradcompress import launch
+from gradcompress.testbed import launch
 
 TIMEOUT = 240
 OVERFLOW_SCHEMES = ["dgc:ratio=0.05", "topk:ratio=0.05", "powersgd:rank=2", "sign", "int8", "fp16:momentum=0.9",

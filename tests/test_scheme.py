@@ -17,7 +17,8 @@ import torch
 import gradcompress
 from gradcompress import costmodel as cm
 from gradcompress import scheme as sc
-from gradcompress.cli import netbench, task
+from gradcompress.cli import schemes, task
+from gradcompress.testbed import netbench
 
 #: (scheme, check_scheme's canonical text, codec spec, Compressor options, DiLoCo H (0: none), trains with Adam)
 ACCEPTED = [
@@ -105,8 +106,8 @@ def test_every_accepted_scheme_keeps_its_meaning(text, canonical, codec, options
     assert (s.diloco or 0) == diloco
     assert s.compressed_adam is adam
     assert s.canonical() == canonical
-    assert task.check_scheme(text) == canonical
-    got_codec, got_options = task.split_scheme(text)
+    assert schemes.check(text) == canonical
+    got_codec, got_options = schemes.split_scheme(text)
     assert (got_codec.spec, got_options) == (codec, options)
     cfg = task.RunConfig(scheme=text)
     assert cfg.diloco == diloco and (cfg.kind() == task.ONEBITADAM) is adam
@@ -118,7 +119,7 @@ def test_every_accepted_scheme_keeps_its_meaning(text, canonical, codec, options
 def test_onebitadam_schemes_keep_their_meaning(text, canonical, options):
     s = sc.parse_scheme(text)
     assert (s.kind, s.codec, s.adam, s.canonical()) == ("onebitadam", None, options, canonical)
-    assert task.check_scheme(text) == canonical
+    assert schemes.check(text) == canonical
     cfg = task.RunConfig(scheme=text)
     assert cfg.kind() == task.ONEBITADAM
     assert cfg.onebitadam_options() == {"lr": 0.001, "warmup_steps": 60, **options}
@@ -131,7 +132,7 @@ def test_pytorch_baselines(text, kind, rank):
     s = sc.parse_scheme(text)
     assert (s.text, s.kind, s.codec, s.rank, s.options) == (text.strip(), kind, None, rank, ())
     assert cm.parse_scheme(text) == s
-    assert netbench.check_schemes([text]) == [text.strip()]
+    assert schemes.check_schemes([text]) == [text.strip()]
 
 
 def test_run_config_reads_the_scheme_as_before():
@@ -173,23 +174,23 @@ def test_bad_diloco_is_the_same_error_everywhere(value):
         sc.parse_scheme(text)
     with pytest.raises(ValueError, match="diloco must be an integer >= 1"):
         cm.parse_scheme(text)
-    for call in (lambda: task.check_scheme(text), lambda: task.RunConfig(scheme=text),
-                 lambda: netbench.check_schemes([text]), lambda: netbench.check_schemes([text], fsdp=True)):
+    for call in (lambda: schemes.check(text), lambda: task.RunConfig(scheme=text),
+                 lambda: schemes.check_schemes([text]), lambda: schemes.check_schemes([text], fsdp=True)):
         with pytest.raises(task.CLIError, match="diloco must be an integer >= 1"):
             call()
 
 
 def test_netbench_takes_diloco_schemes_and_rejects_what_it_cannot_run():
-    assert netbench.check_schemes(["int4:diloco=25", " ddp"]) == ["int4:diloco=25", "ddp"]
+    assert schemes.check_schemes(["int4:diloco=25", " ddp"]) == ["int4:diloco=25", "ddp"]
     assert netbench._diloco_h("int4:diloco=25") == 25 and netbench._diloco_h("int4") == 0
     assert netbench._diloco_h(netbench.FSDP_BASELINE) == 0
     for text, needle in [("ddp:diloco=5", "ddp takes no options"), ("onebitadam", "unknown scheme 'onebitadam'"),
                          ("topk:ratio=0.01,compressed_adam=true", "netbench does not run"),
                          ("nosuch", "unknown scheme 'nosuch'")]:
         with pytest.raises(task.CLIError, match=needle):
-            netbench.check_schemes([text])
+            schemes.check_schemes([text])
     with pytest.raises(task.CLIError, match="do not combine with --fsdp"):
-        netbench.check_schemes(["int4:diloco=4"], fsdp=True)
+        schemes.check_schemes(["int4:diloco=4"], fsdp=True)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -214,7 +215,7 @@ def test_bad_schemes_say_what_is_wrong(text, needle):
 def test_cli_names_pytorch_baselines_unknown_schemes():
     for text in ("ddp", "ddp:x=1", "torch-powersgd:rank=2"):
         with pytest.raises(task.CLIError, match=f"unknown scheme '{text.partition(':')[0]}'; valid schemes: "):
-            task.check_scheme(text)
+            schemes.check(text)
 
 
 # --------------------------------------------------------------------------- Compressor(spec)'s grammar
@@ -284,7 +285,9 @@ def test_merge_compressor_options_refuses_an_option_given_twice():
 
 
 # --------------------------------------------------------------------------- layering
-@pytest.mark.parametrize("module", ["gradcompress.costmodel", "gradcompress.scheme", "gradcompress.testbed"])
+@pytest.mark.parametrize("module", ["gradcompress.costmodel", "gradcompress.scheme", "gradcompress.factory",
+                                    "gradcompress.testbed.hosts", "gradcompress.testbed.launch",
+                                    "gradcompress.testbed.netbench"])
 def test_library_modules_do_not_import_the_cli(module):
     code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith('gradcompress.cli')); "
             "print(bad); sys.exit(1 if bad else 0)")
@@ -294,12 +297,12 @@ def test_library_modules_do_not_import_the_cli(module):
 
 # --------------------------------------------------------------------------- the testbed's files
 def test_testbed_result_and_log_tail(tmp_path):
-    from gradcompress import testbed
+    from gradcompress.testbed import hosts
 
     cfg = {"out": str(tmp_path / "rank0.json")}
-    testbed.write_result(cfg, {"rank": 0, "schemes": [1, 2]})
-    assert testbed._read_json(cfg["out"]) == {"rank": 0, "schemes": [1, 2]}
+    hosts.write_result(cfg, {"rank": 0, "schemes": [1, 2]})
+    assert hosts._read_json(cfg["out"]) == {"rank": 0, "schemes": [1, 2]}
     assert not (tmp_path / "rank0.json.part").exists()
     (tmp_path / "rank1.log").write_text("".join(f"line {i}\n" for i in range(50)))
-    assert testbed.log_tail(str(tmp_path), 1, lines=3) == "line 47\nline 48\nline 49"
-    assert testbed.log_tail(str(tmp_path), 2) == ""
+    assert hosts.log_tail(str(tmp_path), 1, lines=3) == "line 47\nline 48\nline 49"
+    assert hosts.log_tail(str(tmp_path), 2) == ""

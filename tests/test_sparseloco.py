@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import sparseloco_workers as sw
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.codecs.sparse import chunk_counts
 from gradcompress.optim import DiLoCo
 from gradcompress.optim.diloco import SPARSELOCO_CODEC, SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR

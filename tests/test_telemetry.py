@@ -5,7 +5,7 @@ import math
 import pytest
 
 import robust_workers as rw
-from gradcompress import launch
+from gradcompress.testbed import launch
 
 EVERY, STEPS = 2, 3
 

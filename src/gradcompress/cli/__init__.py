@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    from .. import launch
+    from ..testbed.launch import WorkerError
 
     try:
         return int(args.run(args) or 0)
     except CLIError as err:
         print(f"gradcompress {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except launch.WorkerError as err:
+    except WorkerError as err:
         text = err.text.rstrip()
         last = text.splitlines()[-1].strip() if text else "no details"
         print(f"gradcompress {args.command}: error: worker {err.rank} failed: {last}", file=sys.stderr)

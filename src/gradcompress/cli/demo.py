@@ -1,6 +1,6 @@
 """``gradcompress demo``: every scheme on the same task, side by side.
 
-Starts ``--workers`` local processes (gloo on loopback, :func:`gradcompress.launch.run`)
+Starts ``--workers`` local processes (gloo on loopback, :func:`gradcompress.testbed.launch.run`)
 once and trains the task of :mod:`gradcompress.cli.task` once per scheme in them, each
 run from the same initial weights and the same minibatches. Prints a table, and writes
 ``results.json`` and ``report.png`` into ``--out``.
@@ -48,10 +48,12 @@ import sys
 import threading
 import time
 
-from .common import nonnegative_int, positive_float, positive_int, split_schemes  # noqa: F401
+from ..scheme import DECOUPLED, ONEBITADAM, scheme_name
+from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int,  # noqa: F401
+                     split_schemes)
 from .report import plot
-from .task import (DECOUPLED, ONEBITADAM, TASK_NAMES, TASKS, CLIError, RunConfig, check_out_dir, check_scheme, demo_worker, human_bytes,
-                   onebitadam_problem, scheme_name, summarize)
+from .schemes import check, onebitadam_problem
+from .task import TASK_NAMES, TASKS, RunConfig, demo_worker, summarize
 
 DEFAULT_SCHEMES = (
     "none",
@@ -168,13 +170,14 @@ class Progress:
 
 # --------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
-    from .. import __version__, launch
+    from .. import __version__
+    from ..testbed import launch
 
     schemes = split_schemes(args.schemes) if args.schemes else list(DEFAULT_SCHEMES)
     if not schemes:
         raise CLIError("--schemes is empty")
     for s in schemes:
-        check_scheme(s)
+        check(s)
     out_dir = check_out_dir(args.out)
 
     skipped = []
@@ -204,27 +207,12 @@ def run(args: argparse.Namespace) -> int:
     runs = [summarize([r[i] for r in per_rank], cfg, args.workers) for i, cfg in enumerate(configs)]
     wall = time.perf_counter() - start
 
-    base = next((r for r in runs if r["scheme"] == "none"), None)
-    for r in runs:
-        if args.task == "lm":
-            r["val_loss_vs_none_pct"] = 100 * (r["val_loss"] / base["val_loss"] - 1) if base else None
-        else:
-            r["accuracy_delta_vs_none"] = r["test_accuracy"] - base["test_accuracy"] if base else None
-        r["bytes_vs_none"] = (base["bytes_per_step"] / r["bytes_per_step"]
-                              if base and base["bytes_per_step"] and r["bytes_per_step"] else None)
-
+    _versus_none(runs, args.task)
     print(format_table(runs, args.workers))
-    if args.task == "lm":
-        task_info = {"name": "lm", "dataset": "pydoc_data.topics (Python's documentation text), bytes",
-                     "model": "byte-level transformer, 2 blocks, width 128, context 64 (0.47M parameters)",
-                     "train_bytes": len(data["train"]), "val_bytes": len(data["val"])}
-    else:
-        task_info = {"name": "digits", "dataset": "sklearn digits", "model": "MLP 64-256-256-10",
-                     "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])}
     result = {
         "gradcompress": __version__,
-        "task": {**task_info, "workers": args.workers, "steps": args.steps, "batch_size_per_worker": batch_size,
-                 "warmup_steps": args.warmup_steps, "seed": args.seed},
+        "task": {**_task_info(args.task, data), "workers": args.workers, "steps": args.steps,
+                 "batch_size_per_worker": batch_size, "warmup_steps": args.warmup_steps, "seed": args.seed},
         "wall_seconds": wall,
         "runs": runs,
         "skipped": skipped,
@@ -238,6 +226,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {s['scheme']}: {s['reason']}")
     print(f"wrote {json_path} and {png_path} ({wall:.0f} s)")
     return 0
+
+
+def _versus_none(runs: list[dict], task: str) -> None:
+    """Each run's figures next to the ``none`` run's (None without one): validation loss (lm) or test accuracy, bytes."""
+    base = next((r for r in runs if r["scheme"] == "none"), None)
+    for r in runs:
+        if task == "lm":
+            r["val_loss_vs_none_pct"] = 100 * (r["val_loss"] / base["val_loss"] - 1) if base else None
+        else:
+            r["accuracy_delta_vs_none"] = r["test_accuracy"] - base["test_accuracy"] if base else None
+        r["bytes_vs_none"] = (base["bytes_per_step"] / r["bytes_per_step"]
+                              if base and base["bytes_per_step"] and r["bytes_per_step"] else None)
+
+
+def _task_info(task: str, data: dict) -> dict:
+    """What results.json says about the task: its data set, model and sizes."""
+    if task == "lm":
+        return {"name": "lm", "dataset": "pydoc_data.topics (Python's documentation text), bytes",
+                "model": "byte-level transformer, 2 blocks, width 128, context 64 (0.47M parameters)",
+                "train_bytes": len(data["train"]), "val_bytes": len(data["val"])}
+    return {"name": "digits", "dataset": "sklearn digits", "model": "MLP 64-256-256-10",
+            "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])}
 
 
 # --------------------------------------------------------------------------- output

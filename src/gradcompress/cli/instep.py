@@ -120,7 +120,7 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
 def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeats: int, seed: int) -> dict:
     import os
 
-    from .. import launch
+    from ..testbed import launch
 
     timeout = 120 + 30 * len(specs) * repeats
     r = launch.run(in_step_worker, workers, specs, size, matrices, repeats, seed, False, timeout=timeout,
@@ -211,7 +211,7 @@ def ddp_worker(rank: int, world: int, size: int, layers: int, batch: int, repeat
 
 
 def run_ddp_versus_torch(workers: int, size: int, layers: int, batch: int, repeats: int, seed: int) -> dict:
-    from .. import launch
+    from ..testbed import launch
 
     r = launch.run(ddp_worker, workers, size, layers, batch, repeats, seed, timeout=300 + 20 * repeats,
                    collective_timeout=120)[0]

@@ -47,7 +47,8 @@ _nonnegative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from ..costmodel import DEFAULT_SCHEMES, FRAMING_EFFICIENCY, INTRA_NODE_RATE_BIT, SOFTWARE_ALPHA
-    from .netbench import MODELS, _duration, _rate
+    from ..testbed.models import MODELS
+    from .netbench import _duration, _rate
 
     p = sub.add_parser(
         "plan", help="predict step time per scheme for a model size, worker count and network (alpha-beta model)",
@@ -266,7 +267,8 @@ def _load_calibration(path: str, codecs: list, workers: int):
 # --------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     from .. import costmodel as cm
-    from .netbench import check_schemes, model_shapes
+    from ..testbed.models import model_shapes
+    from .schemes import check_schemes
 
     schemes = [cm.parse_scheme(s) for s in check_schemes(split_schemes(args.schemes) if args.schemes
                                                            else list(cm.DEFAULT_SCHEMES))]

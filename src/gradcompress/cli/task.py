@@ -18,7 +18,9 @@
   test accuracy (rank 0).
 
 Everything a worker needs is passed in (data tensors, a :class:`RunConfig`), so the
-worker functions here can be pickled to ``gradcompress.launch.run`` processes.
+worker functions here can be pickled to ``gradcompress.testbed.launch.run`` processes. What a run's scheme becomes
+(the model wrapped, the optimizer, the Compressor) is :func:`gradcompress.factory.build`'s: :meth:`RunConfig.setting`
+says what the scheme does not (the task's optimizer, the Compressor options, FSDP).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..scheme import BASELINES, DECOUPLED, ONEBITADAM, ONEBITADAM_OPTIONS, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme, \
-    parse_scheme, scheme_name  # noqa: F401  (re-exported for the CLI)
-from .common import CLIError, check_out_dir, human_bytes, one_line  # noqa: F401  (re-exported for the CLI)
+from ..factory import Run, build, diloco_options
+from ..optim import DiLoCo
+from ..scheme import DECOUPLED, ONEBITADAM, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme
+from ..scheme import scheme_name  # noqa: F401  (the tests read it here)
+from .common import CLIError
+from .schemes import parse
 
 IN_FEATURES, CLASSES = 64, 10
 
@@ -86,7 +91,7 @@ class RunConfig:
 
     def parsed(self) -> Scheme:
         """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
-        return parse_run_scheme(self.scheme)
+        return parse(self.scheme)
 
     def kind(self) -> str:
         """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges), ``"decoupled"`` (DeMo, which
@@ -107,15 +112,27 @@ class RunConfig:
         return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
 
     def diloco_options(self) -> dict:
-        """DiLoCo's ``codec``, ``outer`` and ``error_feedback`` for this run: ``outer=sparseloco`` with an exact
-        codec (``none:diloco=50,outer=sparseloco``) takes SparseLoCo's own codec."""
-        codec, options = self.compressor()
+        """DiLoCo's ``codec``, ``outer`` and ``error_feedback`` for this run (:func:`gradcompress.factory.
+        diloco_options`): ``outer=sparseloco`` with an exact codec (``none:diloco=50,outer=sparseloco``) takes
+        SparseLoCo's own codec."""
+        return diloco_options(self.parsed(), self.compressor()[1]["error_feedback"])
+
+    def run_scheme(self) -> Scheme:
+        """The scheme this run runs: the parsed scheme, with ``--diloco H`` folded in (``diloco=H``)."""
         scheme = self.parsed()
-        outer = scheme.outer or "nesterov"
-        lr = {} if scheme.outer_lr is None else {"outer_lr": scheme.outer_lr}
-        if outer == "sparseloco":
-            return {"codec": None if codec.exact else codec, "outer": outer, **lr}
-        return {"codec": codec, "outer": outer, "error_feedback": options["error_feedback"], **lr}
+        if self.diloco and scheme.kind == "ours":
+            return dataclasses.replace(scheme, diloco=self.diloco)
+        return scheme
+
+    def setting(self, task, device: torch.device) -> Run:
+        """What :func:`gradcompress.factory.build` needs beside the scheme: the task's optimizer and shard units,
+        the Compressor options (:meth:`compressor`), the keywords of DeMo or CompressedAdam, FSDP / HSDP."""
+        kind = self.kind()
+        exchanging = self.demo_options() if kind == DECOUPLED else \
+            {**task.onebitadam_extra(), **self.onebitadam_options()} if kind == ONEBITADAM else {}
+        return Run(optimizer=lambda params: task.optimizer(params, self), options=self.compressor()[1],
+                   exchanging=exchanging, fsdp=self.fsdp, per_node=self.hsdp, params=self.params,
+                   shard_units=task.shard_units, device=device)
 
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
@@ -195,83 +212,6 @@ def demo_text(options: dict, cosine: bool) -> str:
     return f"DeMo({text}{', cosine' if cosine else ''})"
 
 
-def valid_schemes() -> str:
-    """The scheme names demo and train take, for error messages."""
-    import gradcompress
-
-    return ", ".join(gradcompress.available() + [ONEBITADAM, DECOUPLED])
-
-
-def parse_run_scheme(scheme: str) -> Scheme:
-    """A demo/train scheme (a codec spec with options, or onebitadam), parsed; ``CLIError`` (one line,
-    listing the valid schemes for an unknown or empty one) if it is wrong."""
-    if not isinstance(scheme, str) or not scheme.strip():
-        raise CLIError(f"empty scheme; valid schemes: {valid_schemes()}")
-    unknown = f"unknown scheme {scheme_name(scheme)!r}; valid schemes: {valid_schemes()}"
-    if scheme_name(scheme) in BASELINES:  # PyTorch's own DDP schemes: netbench and plan only
-        raise CLIError(unknown)
-    try:
-        return parse_scheme(scheme)
-    except ValueError as err:
-        msg = one_line(err)
-        raise CLIError(unknown if "unknown codec" in msg else msg) from None
-
-
-def is_adam_scheme(scheme: str) -> bool:
-    """True for ``onebitadam`` and for ``<codec spec>,compressed_adam=true`` (the optimizer exchanges itself)."""
-    try:
-        parsed = parse_run_scheme(scheme)
-    except CLIError:
-        return False
-    return parsed.kind == ONEBITADAM or parsed.compressed_adam
-
-
-def split_scheme(scheme: str):
-    """``"sign:bucket=256,momentum=0.9"`` -> (the sign codec with bucket 256, ``{"momentum": 0.9}``).
-
-    Options the codec has go to the codec (``dgc:momentum=...`` is DGC's own); the others,
-    if they are :data:`COMPRESSOR_OPTIONS`, to the Compressor (:func:`gradcompress.scheme.parse_scheme`).
-    ``ValueError`` otherwise.
-    """
-    parsed = parse_scheme(scheme)
-    if parsed.kind != "ours":
-        raise ValueError(f"{scheme_name(scheme)!r} is not a codec spec")
-    return parsed.codec, parsed.compressor
-
-
-def check_scheme(scheme: str) -> str:
-    """The canonical spec of ``scheme``; ``CLIError`` (one line, listing valid schemes) if it is wrong."""
-    import gradcompress
-
-    parsed = parse_run_scheme(scheme)
-    if parsed.kind == ONEBITADAM:
-        return parsed.text
-    if parsed.kind == DECOUPLED:
-        import torch
-
-        from ..optim import DeMo
-
-        try:
-            DeMo([torch.zeros(1, requires_grad=True)], **parsed.demo)  # checks every option's value
-        except (ValueError, TypeError) as err:
-            raise CLIError(one_line(err)) from None
-        return parsed.text
-    try:
-        gradcompress.Compressor(parsed.codec, **parsed.compressor)  # checks the Compressor's options too
-    except (ValueError, TypeError) as err:
-        raise CLIError(one_line(err)) from None
-    return parsed.canonical()
-
-
-def onebitadam_problem() -> str | None:
-    """None when ``gradcompress.optim.OneBitAdam`` can be imported, else why not (one line)."""
-    try:
-        from ..optim import OneBitAdam  # noqa: F401
-    except Exception as err:  # ImportError, or a half-written module
-        return f"gradcompress.optim.OneBitAdam is not available ({type(err).__name__}: {one_line(err)})"
-    return None
-
-
 # --------------------------------------------------------------------------- data and model
 def load_data(seed: int = 0, test_size: float = 0.25) -> dict[str, torch.Tensor]:
     """Digits split into train/test (stratified, seeded), standardised with the training statistics."""
@@ -330,29 +270,6 @@ def evaluate(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[float, fl
 
 
 # --------------------------------------------------------------------------- one run
-def fsdp_setup(task, model, cfg: RunConfig, codec, options: dict, world: int, device: torch.device):
-    """``fully_shard`` every shard unit and the root, then ``register_fsdp``: over all ranks, or with ``cfg.hsdp``
-    = G over each node of G ranks (ranks in blocks of G), the replicas' all-reduce compressed; ``cfg.params``
-    compresses the parameter all-gathers. Returns the Compressor."""
-    import gradcompress
-    from torch.distributed.fsdp import fully_shard
-
-    options = {k: v for k, v in options.items() if k not in ("min_numel", "monitor_every")}
-    kw, mesh = {}, None
-    if cfg.hsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if world % cfg.hsdp:
-            raise CLIError(f"--hsdp: {cfg.hsdp} workers per node do not divide the {world} workers")
-        mesh = init_device_mesh(device.type, (world // cfg.hsdp, cfg.hsdp), mesh_dim_names=("replicate", "shard"))
-        kw = {"mesh": mesh["shard"]}
-        options.pop("topology", None)
-    for unit in task.shard_units(model):
-        fully_shard(unit, **kw)
-    fully_shard(model, **kw)
-    return gradcompress.register_fsdp(model, codec, mesh=mesh, params=cfg.params, **options)
-
-
 def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device,
               progress=None, index: int = 0) -> dict[str, Any]:
     """Train one scheme on this rank (the process group must be initialised); return this rank's record.
@@ -360,50 +277,15 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     ``progress``: a queue that rank 0 feeds with ``(index, steps_done)`` every
     ``cfg.progress_every`` steps. Rank 0's record also holds the final evaluation.
     """
-    import gradcompress
-
     data = {k: v.to(device) for k, v in data.items()}
     task = TASKS[cfg.task]
     model = task.make_model(cfg).to(device)
     batches = task.batches(data, rank, world, cfg)
-    kind = cfg.kind()
-    scheduler = None
-    if kind == DECOUPLED:
-        from ..optim import DeMo
-
-        for p in model.parameters():  # identical start everywhere (already so by the seed)
-            dist.broadcast(p.data, src=0)
-        opt = DeMo(model.parameters(), **cfg.demo_options())
-        net, stats_of = model, opt.stats
-        scheduler = task.scheduler(opt, cfg)  # lm: the same cosine decay as AdamW's
-    elif kind == ONEBITADAM:
-        from ..optim import CompressedAdam
-
-        for p in model.parameters():  # identical start everywhere (already so by the seed)
-            dist.broadcast(p.data, src=0)
-        opt = CompressedAdam(model.parameters(), **task.onebitadam_extra(), **cfg.onebitadam_options())
-        net, stats_of = model, (lambda: opt.stats() if hasattr(opt, "stats") else None)
-        scheduler = task.scheduler(opt, cfg)  # lm: the same cosine decay as AdamW's
-    else:
-        net = None if cfg.diloco or cfg.fsdp else \
-            nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        codec, options = cfg.compressor()
-        inner = task.optimizer(model.parameters(), cfg)
-        if cfg.diloco:  # DiLoCo: the bare model, the outer gradient through the codec every H steps
-            from ..optim import DiLoCo
-
-            net = model
-            opt = DiLoCo(model, inner, sync_every=cfg.diloco, seed=cfg.seed, **cfg.diloco_options())
-            comp = opt.compressor
-        elif cfg.fsdp:  # FSDP2: every layer and the root sharded, the reduce-scatter (HSDP: replicas') compressed
-            comp = fsdp_setup(task, model, cfg, codec, options, world, device)
-            inner = task.optimizer(model.parameters(), cfg)  # over the sharded (DTensor) parameters
-            net, opt = model, inner
-        else:
-            opt = inner
-            comp = gradcompress.register_ddp_hook(net, codec, **options)
-        scheduler = task.scheduler(inner, cfg)
-        stats_of = opt.stats if cfg.diloco else comp.stats
+    if cfg.fsdp and cfg.hsdp and world % cfg.hsdp:
+        raise CLIError(f"--hsdp: {cfg.hsdp} workers per node do not divide the {world} workers")
+    net, opt, comp = build(cfg.run_scheme(), model, cfg.setting(task, device))
+    scheduler = task.scheduler(opt.inner if isinstance(opt, DiLoCo) else opt, cfg)  # lm: cosine decay
+    stats_of = opt.stats if comp is None or cfg.diloco else comp.stats
 
     losses, cum_bytes, step_times = [], [], []
     for step in range(cfg.steps):
@@ -427,7 +309,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
             progress.put((index, step + 1))
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
                               "step_seconds": step_times, "stats": stats_of()}
-    if kind == "sgd":
+    if cfg.kind() == "sgd":
         record["stats"]["error_feedback"] = comp.error_feedback
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
         record.update(task.evaluate(model, data, losses))
@@ -469,46 +351,46 @@ class DigitsTask:
 
 
 class LMTask:
-    """The byte-level transformer of :mod:`gradcompress.cli.lm` with AdamW and cosine decay. With momentum
+    """The byte-level transformer of :mod:`gradcompress.testbed.lm` with AdamW and cosine decay. With momentum
     correction in the compressor (``sign:momentum=0.9``, ``dgc``) AdamW runs with beta1 = 0: its first
     moment is then the compressor's momentum-corrected, error-fed update."""
 
     name = "lm"
 
     def load(self, seed: int):
-        from . import lm
+        from ..testbed import lm
 
         return lm.load_text()
 
     def make_model(self, cfg):
-        from . import lm
+        from ..testbed import lm
 
         return lm.make_model(cfg.seed)
 
     def batches(self, data, rank, world, cfg):
-        from . import lm
+        from ..testbed import lm
 
         return lm.Windows(data["train"], rank, cfg.batch_size, cfg.seed)
 
     def optimizer(self, params, cfg):
-        from . import lm
+        from ..testbed import lm
 
         beta1 = 0.0 if cfg.momentum_corrected() else lm.BETAS[0]
         return torch.optim.AdamW(params, lr=cfg.learning_rate(), betas=(beta1, lm.BETAS[1]),
                                  weight_decay=lm.WEIGHT_DECAY)
 
     def scheduler(self, optimizer, cfg):
-        from . import lm
+        from ..testbed import lm
 
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lm.cosine(s, cfg.steps))
 
     def onebitadam_extra(self) -> dict:
-        from . import lm
+        from ..testbed import lm
 
         return {"betas": lm.BETAS}  # as AdamW's here (its weight decay stays off: OneBitAdam's is L2)
 
     def loss(self, out, y):
-        from . import lm
+        from ..testbed import lm
 
         return lm.loss_fn(out, y)
 
@@ -516,7 +398,7 @@ class LMTask:
         return list(model.blocks)
 
     def evaluate(self, model, data, losses):
-        from . import lm
+        from ..testbed import lm
 
         tail = losses[-20:]
         return {"final_train_loss": sum(tail) / len(tail), "val_loss": lm.validation_loss(model, data["val"])}

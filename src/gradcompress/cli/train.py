@@ -16,9 +16,10 @@ import argparse
 import json
 import os
 
-from .common import nonnegative_int, positive_float, positive_int
-from .task import (DECOUPLED, ONEBITADAM, CLIError, RunConfig, check_out_dir, check_scheme, human_bytes,
-                   is_adam_scheme, onebitadam_problem, scheme_name, split_scheme, summarize, train_worker, TASKS)
+from ..scheme import ONEBITADAM, scheme_name
+from .common import CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int
+from .schemes import check, is_adam_scheme, onebitadam_problem
+from .task import TASKS, RunConfig, summarize, train_worker
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -79,31 +80,15 @@ def under_torchrun() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import launch
+    from ..testbed import launch
 
-    check_scheme(args.codec)
+    check(args.codec, fsdp=args.fsdp, diloco=bool(args.diloco))  # the scheme, and with --fsdp and --diloco
     if scheme_name(args.codec) == ONEBITADAM:
         problem = onebitadam_problem()
         if problem:
             raise CLIError(problem)
-    if (args.fsdp or args.diloco) and scheme_name(args.codec) == DECOUPLED:
-        raise CLIError("--fsdp and --diloco do not apply to decoupled (DeMo averages each worker's unsharded "
-                       "momentum components itself, every step)")
-    if args.fsdp and is_adam_scheme(args.codec):
-        raise CLIError("--fsdp does not apply to onebitadam or compressed_adam=true (they average unsharded "
-                       "momenta themselves)")
-    if args.diloco and (args.fsdp or is_adam_scheme(args.codec)):
-        raise CLIError("--diloco takes a codec for the outer gradient; it does not combine with --fsdp, onebitadam "
-                       "or compressed_adam=true")
     if (args.hsdp or args.params) and not args.fsdp:
         raise CLIError("--hsdp and --params apply to --fsdp runs; add --fsdp")
-    if args.fsdp:
-        from ..adapters.fsdp import check_codec
-
-        try:
-            check_codec(split_scheme(args.codec)[0])
-        except ValueError as err:
-            raise CLIError(str(err)) from None
     out_dir = check_out_dir(args.out) if args.out else None
     warmup = 5 if args.warmup_steps is None else args.warmup_steps
     scheme = args.codec.strip()

@@ -1,7 +1,7 @@
-"""One worker process per emulated host on a :class:`gradcompress.netns.Testbed`, and everything torn down after.
+"""One worker process per emulated host on a :class:`gradcompress.testbed.netns.Testbed`, all torn down after.
 
 Used by ``gradcompress netbench``. :func:`run_workers` builds the hosts (network namespaces
-on one bridge, every link shaped; see :mod:`gradcompress.netns`), starts ``python -m MODULE
+on one bridge, every link shaped; see :mod:`gradcompress.testbed.netns`), starts ``python -m MODULE
 --worker CONFIG.json`` inside each host's namespace, waits for every worker and returns what
 each wrote (:func:`write_result`), by rank. A worker's config is the caller's ``settings`` plus
 ``parent`` (this process's pid), ``rank``, ``world``, ``master`` (host 0's address), ``port``,
@@ -19,7 +19,7 @@ between workers of a node never crosses the veth: its ``tx_bytes`` counts what l
 SIGINT, SIGTERM and SIGHUP stop a run (as ``KeyboardInterrupt``); the namespaces, links,
 processes and scratch files are removed on every way out (success, error, timeout, signal),
 with those signals held until the teardown is done. A worker that fails ends the run with
-:class:`gradcompress.launch.WorkerError` carrying the tail of its log.
+:class:`gradcompress.testbed.launch.WorkerError` carrying the tail of its log.
 
 The worker's side: :func:`worker_config` (read the config, exit when the parent is gone),
 :func:`read_tx_bytes` (the link interface's byte counter) and :func:`write_result`.

@@ -1,4 +1,5 @@
-"""The language-model task (``--task lm``): a small byte-level causal transformer on real English text.
+"""The language-model task (``--task lm`` of ``demo`` and ``train``, netbench's ``--model lm``): a small byte-level
+causal transformer on real English text.
 
 A task where compression can fail: trained with AdamW, where aggressive schemes that look
 harmless on digits lose validation loss.

@@ -1,24 +1,24 @@
-"""``gradcompress netbench``: step time and real interface bytes per scheme over emulated, shaped links.
+"""The netbench runner: step time and real interface bytes per scheme over emulated, shaped links.
 
-Builds ``--workers`` test hosts as Linux network namespaces on one bridge, each host's link
-shaped with ``tc`` (``tbf`` at ``--bandwidth`` in each direction, ``netem`` delay for
-``--latency``; see :mod:`gradcompress.netns`), and starts one worker per host with
-``ip netns exec HOST python -m gradcompress.cli.netbench --worker CONFIG``. The workers
-form a gloo process group exactly as a multi-node launch does (``init_method=
-tcp://HOST0:PORT``, ``GLOO_SOCKET_IFNAME`` the host's veth), so every byte between them
-crosses the shaped links (the hosts, the workers and the teardown: :mod:`gradcompress.testbed`).
-Needs root and iproute2; everything (namespaces, links, processes) is removed on exit, on
-error, on Ctrl-C and on SIGTERM, and a namespace left by a run that was killed outright is
-removed by the next run.
+``gradcompress netbench`` (:mod:`gradcompress.cli.netbench`: its arguments, checks and tables) calls :func:`bench`.
+It builds ``workers`` test hosts as Linux network namespaces on one bridge, each host's link shaped with ``tc``
+(``tbf`` at the rate in each direction, ``netem`` delay for a latency; see :mod:`gradcompress.testbed.netns`), and
+starts one worker per host with ``ip netns exec HOST python -m gradcompress.testbed.netbench --worker CONFIG``. The
+workers form a gloo process group exactly as a multi-node launch does (``init_method=tcp://HOST0:PORT``,
+``GLOO_SOCKET_IFNAME`` the host's veth), so every byte between them crosses the shaped links (the hosts, the workers
+and the teardown: :mod:`gradcompress.testbed.hosts`). Needs root and iproute2; everything (namespaces, links,
+processes) is removed on exit, on error, on Ctrl-C and on SIGTERM.
 
-Nodes (``--nodes N --workers-per-node G``): N namespaces, each a node with one shaped uplink and G workers
+Nodes (``per_node`` G > 1): N namespaces, each a node with one shaped uplink and G workers
 (ranks in consecutive blocks of G, torchrun's ``GROUP_RANK``/``LOCAL_WORLD_SIZE`` set so that the library's default
 ``topology="auto"`` runs hierarchical; ``SPEC:topology=flat`` runs today's flat exchange beside it). The G workers
 bind to the node's veth address, and a connection to one's own namespace's address goes over its loopback, so
-intra-node traffic never reaches the uplink's tx counter (:mod:`gradcompress.testbed`). Reported per scheme: the
-uplink's bytes per node and step next to the node's workers' ``stats()["inter_node_bytes"]`` (the cost model's
-uplink count for the PyTorch baselines), and the ratios to ``ddp``, ``torch-fp16`` and the scheme's flat twin;
-``ddp-nosend`` is DDP with a hook that sends nothing (the limit).
+intra-node traffic never reaches the uplink's tx counter (:mod:`gradcompress.testbed.hosts`). Reported per scheme:
+the uplink's bytes per node and step next to the node's workers' ``stats()["inter_node_bytes"]`` (the cost model's
+uplink count for the PyTorch baselines); ``ddp-nosend`` is DDP with a hook that sends nothing (the limit).
+
+Every scheme is set up by :func:`gradcompress.factory.build` (``ddp-nosend`` here), on the benchmark models of
+:mod:`gradcompress.testbed.models`.
 
 In one run, for each scheme, on the same model (same initial weights, fixed per-rank
 batches of random data): ``--warmup`` untimed steps, then ``--steps`` timed steps. Our
@@ -47,22 +47,17 @@ costs, ``plan --contention``), the time of a DDP step whose hook sends nothing (
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import math
 import os
 import statistics
 import sys
 import time
 
-from ..scheme import DECOUPLED, ONEBITADAM, Scheme, parse_scheme
-from . import netbench_fsdp
-from .common import CLIError, human_bytes, one_line, positive_int, split_schemes, table_lines
+from ..factory import Run, build, one_bucket_mb
+from ..scheme import parse_scheme
+from . import hosts, models, netbench_fsdp
 
-MODELS = ("mlp", "mlp8m", "cnn", "tiny", "lm")
-#: the MLPs' layer widths
-MLP_DIMS = {"mlp": (1024, 2048, 2048, 2048, 1024), "mlp8m": (1024, 2048, 2048, 1024)}
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
 #: FSDP mode: the uncompressed baseline's name and the default schemes
@@ -73,274 +68,22 @@ NOSEND = "ddp-nosend"
 #: --nodes mode: the default schemes (each codec hierarchical, the library's default, and flat beside it)
 NODE_SCHEMES = ("ddp", "torch-fp16", NOSEND, "int8", "int8:topology=flat", "int4", "int4:topology=flat", "sign",
                 "sign:topology=flat", "topk:ratio=0.01", "topk:ratio=0.01,topology=flat")
-MAX_NODE_WORKERS = 16
-
-
-# --------------------------------------------------------------------------- models
-def build_model(name: str, seed: int = 0):
-    """The benchmark models: ``mlp`` 12.6M parameters (1024-2048-2048-2048-1024, communication-bound), ``mlp8m``
-    8.4M (1024-2048-2048-1024),
-    ``cnn`` a small convolutional net on 3x32x32 inputs (0.39M, compute-bound), ``tiny`` 85K (tests)."""
-    import torch
-    import torch.nn as nn
-
-    torch.manual_seed(seed)
-    if name in MLP_DIMS:
-        dims = MLP_DIMS[name]
-        layers = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        return nn.Sequential(*layers[:-1])
-    if name == "tiny":
-        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    if name == "lm":
-        from .lm import make_model
-
-        return make_model(seed)
-    if name == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(128, 256, 3, stride=2, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10))
-    raise ValueError(f"unknown model {name!r}; models: {', '.join(MODELS)}")
-
-
-def model_shapes(name: str) -> list[tuple[int, ...]]:
-    """Parameter shapes of a benchmark model, in model order (what ``plan --model`` uses)."""
-    return [tuple(p.shape) for p in build_model(name).parameters()]
-
-
-def _batch(name: str, batch_size: int, rank: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1000 + rank)
-    if name in MLP_DIMS:
-        return torch.randn(batch_size, 1024, generator=g), torch.randn(batch_size, 1024, generator=g)
-    if name == "tiny":
-        return torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
-    if name == "lm":
-        from .lm import CONTEXT
-
-        data = torch.randint(0, 256, (batch_size // 2 or 1, CONTEXT + 1), generator=g)
-        return data[:, :-1], data[:, 1:]
-    return torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
-
-
-def _loss(name: str, out, y):
-    import torch.nn.functional as F
-
-    if name == "lm":
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return F.mse_loss(out, y) if name in MLP_DIMS else F.cross_entropy(out, y)
-
-
-# --------------------------------------------------------------------------- arguments
-def _workers(text: str) -> int:
-    v = positive_int(text)
-    if not 2 <= v <= 8:
-        raise argparse.ArgumentTypeError(f"expected 2 to 8 workers, got {text!r}")
-    return v
-
-
-def _rate(text: str) -> float:
-    from ..costmodel import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _duration(text: str) -> float:
-    from ..costmodel import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-    from ..costmodel import DEFAULT_SCHEMES
-
-    p = sub.add_parser(
-        "netbench", help="step time and real interface bytes per scheme over emulated shaped links (root)",
-        description="Emulate --workers hosts as network namespaces on a bridge, shape each host's link with tc "
-                    "(tbf for --bandwidth, netem for --latency), run one gloo worker per host and measure, per "
-                    "scheme: median step time, bytes each host's interface transmitted per step next to "
-                    "Compressor.stats() wire bytes, and the speed-up over plain DDP. Needs root and iproute2 "
-                    "(ip, tc); removes every namespace, link and process it made on exit, error, Ctrl-C or "
-                    "SIGTERM.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Schemes: ddp (DistributedDataParallel, no hook), torch-fp16 (PyTorch's fp16_compress_hook), "
-               "torch-powersgd[:rank=R] (PyTorch's powerSGD_hook, start_powerSGD_iter=2, run with ONE bucket "
-               "because it deadlocks on gloo with several), or any gradcompress codec spec (our Compressor as "
-               "the DDP hook). Specs contain commas: separate schemes with ';'.\n"
-               "Default schemes: " + "; ".join(DEFAULT_SCHEMES) + "\n"
-               "examples:\n"
-               "  sudo gradcompress netbench --workers 4 --bandwidth 1gbit --model mlp\n"
-               "  sudo gradcompress netbench --workers 2 --bandwidth 100mbit --schemes 'ddp;int8;topk:ratio=0.01' "
-               "--json\n"
-               "  sudo gradcompress netbench --nodes 2 --workers-per-node 4 --bandwidth 100mbit --schemes ddp "
-               "torch-fp16 ddp-nosend int8 int8:topology=flat\n"
-               "ddp-nosend: DDP with a hook that sends nothing (the limit). With --nodes, codec specs run the "
-               "library's default topology (auto: hierarchical across the nodes); add topology=flat for today's "
-               "flat exchange. Node-mode default schemes: " + "; ".join(NODE_SCHEMES) + "\n"
-               "Models: mlp (12.6M parameters, communication-bound), mlp8m (8.4M), cnn (0.39M, compute-bound), tiny (85K).")
-    p.add_argument("--workers", type=_workers, default=None,
-                   help="emulated hosts, one worker each: 2 to 8 (default 4; not with --nodes)")
-    p.add_argument("--nodes", type=_workers, default=None, metavar="N",
-                   help="emulated nodes (2 to 8), each a namespace with one shaped uplink and --workers-per-node "
-                        "workers talking over the namespace's loopback")
-    p.add_argument("--workers-per-node", type=positive_int, default=None, metavar="G",
-                   help=f"workers per node with --nodes (default 1; N x G at most {MAX_NODE_WORKERS})")
-    p.add_argument("--bandwidth", type=_rate, default=_rate("1gbit"), metavar="RATE",
-                   help="link rate per host and direction, tc notation: 100mbit, 1gbit, 10gbit (default 1gbit)")
-    p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
-                   help="one-way delay added on each host's egress with netem, e.g. 1ms (default 0: none; "
-                        "needs the netem qdisc in the kernel)")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="model (default mlp)")
-    p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC",
-                   help="schemes (';'-separated and/or repeated); default: the list below")
-    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per scheme (default 10)")
-    p.add_argument("--warmup", type=positive_int, default=MIN_WARMUP,
-                   help=f"untimed steps before them, at least {MIN_WARMUP} (default {MIN_WARMUP}; the first "
-                        f"{COMPRESSOR_WARMUP} are dense)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="examples per worker per step (default 32)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads per worker (default: CPU cores / workers, at least 1)")
-    p.add_argument("--timeout", type=positive_int, default=900,
-                   help="seconds before the whole run is stopped (default 900)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="FSDP2 mode: the model sharded with fully_shard (every layer and the root); the baseline "
-                        "'fsdp' is uncompressed FSDP, codec specs compress its reduce-scatter "
-                        "(gradcompress.register_fsdp). Default schemes: " + "; ".join(FSDP_SCHEMES))
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(run=run)
-    return p
 
 
 # --------------------------------------------------------------------------- schemes
-def check_schemes(texts: list[str], fsdp: bool = False, nodes: bool = False) -> list[str]:
-    """Every scheme checked (:func:`gradcompress.scheme.parse_scheme`), as the run names it; ``CLIError``
-    (one line) for the first that netbench cannot run."""
-    return [_check_scheme(t, fsdp, nodes) for t in texts]
-
-
-def _check_scheme(text: str, fsdp: bool, nodes: bool = False) -> str:
-    """One scheme of :func:`check_schemes`: the FSDP baseline, a PyTorch baseline, a codec spec or ``codec:diloco=H``
-    (``fsdp`` with ``nodes``: :func:`gradcompress.cli.netbench_fsdp.check`)."""
-    if fsdp and nodes:
-        return netbench_fsdp.check(text)
-    if fsdp and text.strip() == FSDP_BASELINE:
-        return FSDP_BASELINE
-    if text.strip() == NOSEND:
-        if fsdp:
-            raise CLIError(f"{NOSEND} is a DDP scheme; it does not combine with --fsdp")
-        return NOSEND
-    try:
-        scheme = parse_scheme(text)
-        if scheme.kind in (ONEBITADAM, DECOUPLED):
-            raise CLIError(_unknown_scheme(text))
-        if scheme.compressed_adam:
-            raise ValueError(f"{scheme.text}: compressed_adam=true trains with CompressedAdam, which netbench does "
-                             "not run; netbench runs DDP schemes, codec specs and codec:diloco=H")
-        if scheme.diloco:
-            if fsdp:
-                raise ValueError("DiLoCo schemes do not combine with --fsdp")
-            if scheme.outer == "sparseloco":
-                raise ValueError(f"{scheme.text}: netbench runs DiLoCo with its Nesterov outer update; "
-                                 "outer=sparseloco runs in demo and train")
-            return scheme.text
-        if fsdp:
-            _check_fsdp_scheme(scheme)
-        return scheme.text
-    except (ValueError, TypeError) as err:
-        msg = one_line(err)
-        raise CLIError(_unknown_scheme(text) if "unknown codec" in msg else msg) from None
-
-
-def _unknown_scheme(text: str) -> str:
-    import gradcompress
-
-    return (f"unknown scheme {text.partition(':')[0].strip()!r}; valid: ddp, torch-fp16, torch-powersgd, "
-            f"{', '.join(gradcompress.available())}")
-
-
-def _check_fsdp_scheme(scheme: Scheme) -> None:
-    """In FSDP mode only our codecs (not PowerSGD) and the 'fsdp' baseline apply."""
-    from ..adapters.fsdp import check_codec
-
-    if scheme.kind != "ours":
-        raise ValueError(f"--fsdp: {scheme.text!r} is a DDP scheme; in FSDP mode the baseline is {FSDP_BASELINE!r} "
-                         "and the others are gradcompress codec specs")
-    check_codec(scheme.codec)
-
-
 def _diloco_h(text: str) -> int:
-    """H of a DiLoCo scheme (``int4:diloco=25``), else 0 (``text`` passed :func:`check_schemes`)."""
+    """H of a DiLoCo scheme (``int4:diloco=25``), else 0 (``text`` passed netbench's check)."""
     if text in (FSDP_BASELINE, NOSEND) or text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):
         return 0
     return parse_scheme(text).diloco or 0
 
 
 # --------------------------------------------------------------------------- the parent
-def run(args: argparse.Namespace) -> int:
-    from .. import netns
-    from ..costmodel import DEFAULT_SCHEMES
-
-    why = netns.problem()
-    if why:
-        raise CLIError(why)
-    hosts, per_node = layout(args)
-    nodes = per_node > 1
-    defaults = (netbench_fsdp.NODE_FSDP_SCHEMES if nodes else FSDP_SCHEMES) if args.fsdp else \
-        NODE_SCHEMES if args.nodes else DEFAULT_SCHEMES
-    schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp, nodes)
-    if not schemes:
-        raise CLIError("--schemes is empty")
-    if args.warmup < MIN_WARMUP:
-        raise CLIError(f"--warmup must be at least {MIN_WARMUP} (2 dense steps, then at least one compressed "
-                       f"step before timing)")
-    stale = netns.cleanup_stale()
-    if stale:
-        print(f"netbench: removed {len(stale)} namespace(s) left by a crashed run: {', '.join(stale)}",
-              file=sys.stderr)
-    if args.latency > 0 and not netns.netem_available():
-        raise CLIError("--latency needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM); "
-                       "run without --latency")
-    result = bench(schemes, hosts, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
-                   args.batch_size, args.threads, args.timeout, args.fsdp, per_node)
-    if args.json:
-        print(json.dumps(result, indent=1, allow_nan=False))
-    else:
-        print(format_table(result))
-    return 0
-
-
-def layout(args: argparse.Namespace) -> tuple[int, int]:
-    """(hosts, workers per host) from ``--workers`` or ``--nodes``/``--workers-per-node``; ``CLIError`` (one line)
-    for a mix of the two or too many workers."""
-    if args.nodes is None:
-        if args.workers_per_node is not None:
-            raise CLIError("--workers-per-node goes with --nodes")
-        return args.workers or 4, 1
-    if args.workers is not None:
-        raise CLIError("give either --workers (one worker per host) or --nodes with --workers-per-node, not both")
-    per_node = args.workers_per_node or 1
-    if args.nodes * per_node > MAX_NODE_WORKERS:
-        raise CLIError(f"--nodes x --workers-per-node is {args.nodes * per_node}; at most {MAX_NODE_WORKERS} workers")
-    return args.nodes, per_node
-
-
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
           batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1) -> dict:
     """Build the testbed (``workers`` hosts, ``per_node`` workers on each), run every scheme on every worker, tear
-    everything down; the merged result."""
-    from .. import testbed
-
+    everything down; the merged result. :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be
+    built."""
     threads = threads or max(1, (os.cpu_count() or 1) // (workers * per_node))
     where = f"{workers} nodes x {per_node} workers" if per_node > 1 else f"{workers} hosts"
     print(f"netbench: {where}, {_fmt_rate(rate_bit)}"
@@ -348,13 +91,10 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
           f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
     settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
                 "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0))}
-    try:
-        records = testbed.run_workers(
-            workers, settings, module="gradcompress.cli.netbench", rate_bit=rate_bit, delay_s=latency_s,
-            timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
-            timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)", workers_per_node=per_node)
-    except testbed.TestbedError as err:
-        raise CLIError(str(err)) from None
+    records = hosts.run_workers(
+        workers, settings, module="gradcompress.testbed.netbench", rate_bit=rate_bit, delay_s=latency_s,
+        timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
+        timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)", workers_per_node=per_node)
     return merge(records, schemes, workers * per_node, rate_bit, latency_s, model, steps, warmup, batch_size, threads,
                  fsdp, per_node)
 
@@ -490,105 +230,6 @@ def _effective_bandwidth(records: list[dict], workers: int) -> float | None:
     return 2 * (workers - 1) / workers * 8 * 2**20 / t if t > 0 else None
 
 
-def flat_twin(text: str) -> str | None:
-    """The ``topology=flat`` variant of a codec scheme (None for the others): what its hierarchical row is set
-    beside."""
-    if text in (NOSEND, FSDP_BASELINE):
-        return None
-    scheme = parse_scheme(text)
-    if scheme.kind != "ours" or "topology" in scheme.compressor:
-        return None
-    return text + ("," if ":" in text else ":") + "topology=flat"
-
-
-def node_ratios(result: dict) -> dict:
-    """Per scheme: its uplink bytes over DDP's and over torch-fp16's, and a hierarchical scheme's over its own
-    ``topology=flat`` variant's (None where that row was not run)."""
-    rows = {r["scheme"]: r for r in result["schemes"]}
-    up = {name: r["uplink_tx_bytes_per_step"] for name, r in rows.items()}
-
-    def over(name, base):
-        return up[name] / up[base] if base in up and up[base] else None
-
-    return {name: {"x_ddp": over(name, "ddp"), "x_fp16": over(name, "torch-fp16"),
-                   "x_flat": over(name, flat_twin(name)) if flat_twin(name) else None} for name in rows}
-
-
-def format_node_table(result: dict) -> str:
-    """The --nodes report: per scheme the topology it ran, step time, speed-up, each node's uplink bytes (its tx
-    counter) next to the node's workers' ``inter_node_bytes``, and the uplink ratios to DDP, fp16 and its flat twin."""
-    ratios = node_ratios(result)
-
-    def ratio(v):
-        return "-" if v is None else f"{v:.3f}"
-
-    rows = [("scheme", "topology", "step ms", "speed-up", "uplink B/node/step", "inter_node_bytes/node",
-             "x DDP", "x fp16", "x own flat")]
-    for r in result["schemes"]:
-        inter = r["inter_node_bytes_per_step_by_node"]
-        mark = " (model)" if r["inter_node_bytes_source"] == "model" else ""
-        rows.append((r["scheme"], r["topology"] or ("-" if r["kind"] == NOSEND else "flat (DDP)"),
-                     f"{1e3 * r['median_step_s']:.0f}", "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-                     " / ".join(human_bytes(b) for b in r["uplink_tx_bytes_per_step_by_node"]),
-                     "n/a" if inter[0] is None else human_bytes(statistics.fmean(inter)) + mark,
-                     ratio(ratios[r["scheme"]]["x_ddp"]), ratio(ratios[r["scheme"]]["x_fp16"]),
-                     ratio(ratios[r["scheme"]]["x_flat"])))
-    lines = [f"{result['nodes']} nodes x {result['workers_per_node']} workers, uplinks at "
-             f"{_fmt_rate(result['bandwidth_bit'])}; model {result['model']} ({result['params']:,} parameters), batch "
-             f"{result['batch_size']}; median of {result['steps']} steps after {result['warmup']}; "
-             f"{result['threads_per_worker']} thread(s) per worker on {result['cpu_count']} CPUs; compute alone "
-             f"{1e3 * result['compute_s']:.0f} ms/step"]
-    lines += table_lines(rows)
-    lines.append("uplink: bytes each node's veth transmitted per step (its tx counter; one value per node); "
-                 "inter_node_bytes: the node's workers' Compressor.stats()['inter_node_bytes'] summed (flat: every "
-                 "byte, also those to the node's own workers, which stay on its loopback); '(model)': the cost "
-                 "model's uplink count for a PyTorch baseline; x DDP / x fp16 / x own flat: uplink bytes over "
-                 "those of ddp, torch-fp16 and the scheme's topology=flat row")
-    return "\n".join(lines)
-
-
-def format_table(result: dict) -> str:
-    if result.get("workers_per_node", 1) > 1 and result.get("fsdp"):
-        return netbench_fsdp.format_table({**result, "rate_text": _fmt_rate(result["bandwidth_bit"])})
-    if result.get("workers_per_node", 1) > 1:
-        return format_node_table(result)
-    head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
-            "buckets")
-    rows = [head]
-    for r in result["schemes"]:
-        wire = human_bytes(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
-        rows.append((r["scheme"], f"{1e3 * r['median_step_s']:.1f}",
-                     "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-                     human_bytes(r["iface_tx_bytes_per_step"]), wire,
-                     "n/a" if r["iface_over_wire"] is None else f"{r['iface_over_wire']:.3f}",
-                     "-" if r["codec_s_per_step"] is None else f"{1e3 * r['codec_s_per_step']:.1f}",
-                     "-" if r.get("wait_s_per_step") is None else f"{1e3 * r['wait_s_per_step']:.1f}",
-                     str(r["buckets"])))
-    lat = f", {result['latency_s'] * 1e3:g} ms one-way delay" if result["latency_s"] else ""
-    mode = "FSDP2 (fully_shard per layer and root), " if result.get("fsdp") else ""
-    lines = [f"{mode}{result['workers']} hosts at {_fmt_rate(result['bandwidth_bit'])}{lat}; model {result['model']} "
-             f"({result['params']:,} parameters), batch {result['batch_size']}; median of {result['steps']} steps "
-             f"after {result['warmup']}; {result['threads_per_worker']} thread(s) per worker on "
-             f"{result['cpu_count']} CPUs; compute alone {1e3 * result['compute_s']:.1f} ms/step (one worker alone: "
-             f"{1e3 * result['compute_solo_s']:.1f} ms, x{result['contention']:.2f}), DDP with a hook that "
-             f"sends nothing {1e3 * result['ddp_floor_s']:.1f} ms/step; 4-byte all-reduce "
-             f"{1e3 * result['allreduce_small_s']:.2f} ms; 8 MB all-reduce at "
-             f"{human_bytes(result['allreduce_payload_bandwidth'])}/s payload per host"]
-    lines += table_lines(rows)
-    lines.append(f"speed-up: over {result['baseline'] or 'n/a'}; iface: bytes each host's veth transmitted per "
-                 "step (mean over hosts); wire: Compressor.stats() wire_bytes per step, '(model)': the same ring "
-                 "count computed for a PyTorch baseline; codec / wait: Compressor.stats() codec_seconds / "
-                 "comm_seconds (waiting on collectives after the backward pass) per step")
-    if any(r["kind"] == "diloco" for r in result["schemes"]):
-        lines.append("DiLoCo schemes (codec:diloco=H): the MEAN step time over whole intervals of H steps (H-1 "
-                     "local SGD steps and one with the outer exchange; one untimed interval first); bytes per step "
-                     "likewise averaged")
-    if any(r["kind"] == "torch-powersgd" for r in result["schemes"]):
-        lines.append(f"torch-powersgd ran with ONE bucket (bucket_cap_mb={result['torch_powersgd_bucket_cap_mb']}): "
-                     "PyTorch's powerSGD_hook deadlocks on gloo with more than one bucket")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- the worker
 def _no_communication_hook(state, bucket):
     import torch
@@ -607,7 +248,7 @@ def _median_step(name, net, opt, x, y, steps: int = 7, skip: int = 2) -> float:
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        _loss(name, net(x), y).backward()
+        models.loss(name, net(x), y).backward()
         opt.step()
         if k >= skip:
             times.append(time.perf_counter() - start)
@@ -619,20 +260,20 @@ def _worker(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .. import testbed
-
     rank, world = cfg["rank"], cfg["world"]
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}:{cfg['port']}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=cfg["collective_timeout"]))
     name = cfg["model"]
-    x, y = _batch(name, cfg["batch_size"], rank)
-    shapes = [list(p.shape) for p in build_model(name).parameters()]
-    one_bucket_mb = int(sum(4 * math.prod(s) for s in shapes) / 2**20) + 2
+    x, y = models.batch(name, cfg["batch_size"], rank)
+    model = models.build_model(name)
+    shapes = [list(p.shape) for p in model.parameters()]
+    one_bucket = one_bucket_mb(model)
+    del model
     figures = _machine_figures(name, x, y, rank)
-    records = [_scheme_record(cfg, i, text, x, y, one_bucket_mb) for i, text in enumerate(cfg["schemes"])]
-    testbed.write_result(cfg, {"rank": rank, **figures, "shapes": shapes, "one_bucket_cap_mb": one_bucket_mb,
-                               "schemes": records})
+    records = [_scheme_record(cfg, i, text, x, y, one_bucket) for i, text in enumerate(cfg["schemes"])]
+    hosts.write_result(cfg, {"rank": rank, **figures, "shapes": shapes, "one_bucket_cap_mb": one_bucket,
+                             "schemes": records})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -642,7 +283,7 @@ def _machine_figures(name: str, x, y, rank: int) -> dict:
     network as gloo sees it (a 4-byte and an 8 MB all-reduce)."""
     import torch
 
-    model = build_model(name)
+    model = models.build_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compute_s = _median_step(name, model, opt, x, y)  # every worker at once, in lockstep, no communication
     solo_s = _solo_step(name, model, opt, x, y, rank)
@@ -664,7 +305,7 @@ def _solo_step(name: str, model, opt, x, y, rank: int) -> float | None:
         if rank == 0:
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            _loss(name, model(x), y).backward()
+            models.loss(name, model(x), y).backward()
             opt.step()
             if k >= 1:
                 times.append(time.perf_counter() - start)
@@ -678,7 +319,7 @@ def _ddp_floor(name: str, x, y) -> float:
     import torch
     import torch.nn as nn
 
-    model = build_model(name)
+    model = models.build_model(name)
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, _no_communication_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -703,20 +344,19 @@ def _allreduce_times() -> tuple[float, float]:
     return timed(torch.zeros(1), 12, 2), timed(torch.zeros(2 * 2**20), 3, 0)
 
 
-def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket_mb: int) -> dict:
+def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     """Set up scheme ``text`` on a fresh model, take the warm-up and the timed steps; this rank's record."""
-    import torch
     import torch.distributed as dist
 
     name = cfg["model"]
-    model = build_model(name)
+    model = models.build_model(name)
     h = _diloco_h(text)
-    net, comp, ef, cap_mb, opt = _setup(cfg, model, text, h, one_bucket_mb)
-    opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
+    net, opt, comp = _setup(cfg, model, text)
+    cap_mb = one_bucket if _ddp_kind(cfg, text, h) == "torch-powersgd" else None
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = _loss(name, net(x), y)
+        loss = models.loss(name, net(x), y)
         loss.backward()
         opt.step()
         return loss.item()
@@ -725,7 +365,8 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket_mb: int) -> di
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
     record = _timed_steps(cfg["ifname"], step, comp, warmup, timed)
-    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), error_feedback=ef,
+    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h),
+                  error_feedback=_error_feedback(cfg, text, h, comp),
                   bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
     if cfg["rank"] == 0:
         print(f"netbench: [{i + 1}/{len(cfg['schemes'])}] {text}: "
@@ -741,13 +382,11 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
     Compressor's counters over them, the last loss."""
     import torch.distributed as dist
 
-    from ..testbed import read_tx_bytes
-
     for _ in range(warmup):
         step()
     dist.barrier()  # every earlier byte has crossed the links (peers received it)
     time.sleep(0.05)  # and the last ACKs too
-    tx0 = read_tx_bytes(ifname)
+    tx0 = hosts.read_tx_bytes(ifname)
     st0 = comp.stats() if comp else None
     step_times = []
     loss = float("nan")
@@ -760,7 +399,7 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
     # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
     dist.barrier()
     time.sleep(0.05)
-    tx1 = read_tx_bytes(ifname)
+    tx1 = hosts.read_tx_bytes(ifname)
 
     def delta(key):
         return None if comp is None else st1[key] - st0[key]
@@ -785,94 +424,62 @@ def _bucket_count(cfg: dict, model, net, h: int) -> int:
     return len([s for s in sizes.split(",") if s.strip()])
 
 
-def _setup(cfg: dict, model, text: str, h: int, one_bucket_mb: int):
-    """The model wrapped for scheme ``text``: (net, Compressor or None, error feedback, bucket cap in MB or
-    None, optimizer or None for plain SGD)."""
-    if cfg.get("fsdp") and cfg.get("workers_per_node", 1) > 1:
-        nodes = cfg["world"] // cfg["workers_per_node"]
-        return (*netbench_fsdp.setup(model, text, nodes, cfg["workers_per_node"], COMPRESSOR_WARMUP), None, None)
-    if cfg.get("fsdp"):
-        return (*_fsdp_setup(model, text), None)
+def _setup(cfg: dict, model, text: str):
+    """(net, optimizer, Compressor or None) of scheme ``text`` on ``model``: ``ddp-nosend`` here, every other scheme
+    by :func:`gradcompress.factory.build`, with plain SGD (lr 1e-3) and our Compressor's ``warmup_steps=2``,
+    ``seed=0``."""
+    import torch
+
     if text == NOSEND:
-        return _nosend_setup(model)
-    if h:
-        return _diloco_setup(model, parse_scheme(text))
-    return (*_ddp_setup(model, parse_scheme(text), one_bucket_mb), None)
+        return _nosend(model)
+    fsdp, per_node, params = bool(cfg.get("fsdp")), 0, None
+    if fsdp and cfg.get("workers_per_node", 1) > 1:  # FSDP on nodes: a codec with layout= and params= (netbench_fsdp)
+        text, layout, params = netbench_fsdp.split(text)
+        per_node = cfg["workers_per_node"] if layout == "hsdp" else 0
+    scheme = None if text is None or (fsdp and text == FSDP_BASELINE) else parse_scheme(text)
+    options = {"warmup_steps": COMPRESSOR_WARMUP, "seed": 0, **({} if scheme is None else scheme.compressor)}
+    run = Run(optimizer=lambda parameters: torch.optim.SGD(parameters, lr=1e-3), options=options, fsdp=fsdp,
+              per_node=per_node, params=params)
+    return build(scheme, model, run)
 
 
-def _ddp_setup(model, scheme: Scheme, one_bucket_mb: int):
-    """DDP with the scheme's hook: PyTorch's for the baselines (powerSGD_hook with one bucket), ours otherwise."""
-    import torch.nn as nn
-
-    import gradcompress
-    from ..costmodel import default_error_feedback
-
-    cap_mb = one_bucket_mb if scheme.kind == "torch-powersgd" else None
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-    comp = None
-    if scheme.kind == "torch-fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif scheme.kind == "torch-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
-                                            start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif scheme.kind == "ours":
-        comp = gradcompress.Compressor(scheme.codec, **{"warmup_steps": COMPRESSOR_WARMUP,
-                                                        "error_feedback": default_error_feedback(scheme),
-                                                        "seed": 0, **scheme.compressor})
-        comp.register(ddp)
-    return ddp, comp, default_error_feedback(scheme), cap_mb
-
-
-def _nosend_setup(model):
+def _nosend(model):
     """The limit of every scheme: DDP whose hook sends nothing (DDP's own copies and bookkeeping only)."""
+    import torch
     import torch.nn as nn
 
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, _no_communication_hook)
-    return ddp, None, False, None, None
+    return ddp, torch.optim.SGD(model.parameters(), lr=1e-3), None
 
 
-def _fsdp_setup(model, text: str):
-    """FSDP mode: shard every layer that holds parameters, then the root; compress unless the baseline."""
-    from torch.distributed.fsdp import fully_shard
-
-    import gradcompress
-
-    for m in list(model.modules())[1:]:
-        if any(True for _ in m.parameters(recurse=False)):
-            fully_shard(m)
-    fully_shard(model)
-    if text == FSDP_BASELINE:
-        return model, None, None, None
-    comp = gradcompress.register_fsdp(model, text, warmup_steps=COMPRESSOR_WARMUP, seed=0)
-    return model, comp, comp.error_feedback, None
+def _ddp_kind(cfg: dict, text: str, h: int) -> str | None:
+    """The kind of a DDP scheme (``ddp``, ``torch-powersgd``, ``ours``, ...; :data:`NOSEND`), None under FSDP or
+    DiLoCo."""
+    if cfg.get("fsdp") or h:
+        return None
+    return NOSEND if text == NOSEND else parse_scheme(text).kind
 
 
-def _diloco_setup(model, scheme: Scheme):
-    """DiLoCo over plain SGD (lr 1e-3, as the other schemes' optimizer), the outer gradient through the codec
-    (with the scheme's ``error_feedback``, as ``gradcompress train`` runs it)."""
-    import torch
+def _error_feedback(cfg: dict, text: str, h: int, comp) -> bool | None:
+    """A record's error feedback: FSDP's and DiLoCo's Compressor's (None: uncompressed), False for ``ddp-nosend``,
+    and for the other DDP schemes the default of the scheme's kind (:func:`gradcompress.costmodel.
+    default_error_feedback`: what ``error_feedback="auto"`` resolves to, on for PyTorch's PowerSGD hook)."""
+    from ..costmodel import default_error_feedback
 
-    from ..optim import DiLoCo
-
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1e-3), sync_every=scheme.diloco, codec=scheme.codec,
-                 error_feedback=scheme.compressor.get("error_feedback", "auto"))
-    return model, opt.compressor, opt.compressor.error_feedback, None, opt
+    kind = _ddp_kind(cfg, text, h)
+    if kind is None:
+        return None if comp is None else comp.error_feedback
+    return False if kind == NOSEND else default_error_feedback(parse_scheme(text))
 
 
 def worker_main(argv: list[str]) -> int:
-    from ..testbed import worker_config
-
+    """The worker process's entry point: ``python -m gradcompress.testbed.netbench --worker CONFIG.json``."""
     if len(argv) != 2 or argv[0] != "--worker":
-        print("usage: python -m gradcompress.cli.netbench --worker CONFIG.json (started by gradcompress netbench)",
+        print("usage: python -m gradcompress.testbed.netbench --worker CONFIG.json (started by gradcompress netbench)",
               file=sys.stderr)
         return 2
-    _worker(worker_config(argv[1]))
+    _worker(hosts.worker_config(argv[1]))
     return 0
 
 
