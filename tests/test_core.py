@@ -14,7 +14,8 @@ import torch
 
 import core_workers
 import gradcompress
-from gradcompress import launch, make
+from gradcompress import make
+from gradcompress.testbed import launch
 from gradcompress.collectives import LocalCollectives, Running
 from gradcompress.schedule import Plan
 

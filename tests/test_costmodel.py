@@ -12,10 +12,11 @@ import torch
 
 import costmodel_workers as cw
 import gradcompress
-from gradcompress import collectives, launch
+from gradcompress import collectives
 from gradcompress import costmodel as cm
 from gradcompress.cli.demo import DEFAULT_SCHEMES as DEMO_SCHEMES
-from gradcompress.cli.netbench import NODE_SCHEMES, NOSEND
+from gradcompress.testbed import launch
+from gradcompress.testbed.netbench import NODE_SCHEMES, NOSEND
 from gradcompress.exchanges.hierarchical import piece_numel
 
 MLP = [(2048, 1024), (2048,), (2048, 2048), (2048,), (2048, 2048), (2048,), (1024, 2048), (1024,)]

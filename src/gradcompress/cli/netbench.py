@@ -1,12 +1,12 @@
 """``gradcompress netbench``: step time and real interface bytes per scheme over emulated, shaped links (root).
 
 The command line of the netbench runner (:mod:`gradcompress.testbed.netbench`, where what is measured and how is
-described): the arguments, the check of every scheme before anything starts (:func:`gradcompress.cli.schemes.
-check_schemes`), the environment's (root, iproute2, netem for ``--latency``; namespaces a killed run left behind are
-removed first), then :func:`gradcompress.testbed.netbench.bench` and its result as JSON or as a table: per host
-(``--workers``), per node (``--nodes N --workers-per-node G``: each node's uplink bytes next to the node's workers'
-``inter_node_bytes`` and the ratios to ``ddp``, ``torch-fp16`` and the scheme's ``topology=flat`` twin) or, with
-``--fsdp --nodes``, FSDP2 across nodes (the ratios to dense FSDP and HSDP; schemes:
+described): the arguments; every scheme checked before anything starts (:func:`gradcompress.cli.schemes.
+check_schemes`); the environment checked (root, iproute2, netem for ``--latency``; namespaces a killed run left
+behind are removed first); then :func:`gradcompress.testbed.netbench.bench` and its result as JSON or as a table:
+per host (``--workers``), per node (``--nodes N --workers-per-node G``: each node's uplink bytes next to the node's
+workers' ``inter_node_bytes`` and the ratios to ``ddp``, ``torch-fp16`` and the scheme's ``topology=flat`` twin) or,
+with ``--fsdp --nodes``, FSDP2 across nodes (the ratios to dense FSDP and HSDP; schemes:
 :mod:`gradcompress.testbed.netbench_fsdp`).
 """
 
