@@ -1,4 +1,4 @@
-"""Worker functions of tests/test_core.py (spawned by ``gradcompress.launch.run``)."""
+"""Worker functions of tests/test_core.py (spawned by ``gradcompress.testbed.launch.run``)."""
 
 from __future__ import annotations
 

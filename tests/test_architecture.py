@@ -94,7 +94,7 @@ LAYERS = [
     ["gradcompress.step"],
     ["gradcompress.compressor"],
     ["gradcompress.adapters", "gradcompress.optim", "gradcompress.integrations"],
-    ["gradcompress"],
+    ["gradcompress", "gradcompress.factory"],
     ["gradcompress.costmodel", "gradcompress.testbed"],
     ["gradcompress.cli", "gradcompress.__main__"],
 ]

@@ -3,7 +3,7 @@ cannot rot); the demo tables are what ``benchmarks/readme_tables.py`` prints fro
 README's first two shell commands are the ones CI runs; relative links between the pages resolve.
 
 A snippet preceded by ``<!-- not run: REASON -->`` is skipped with that reason. Snippets that talk to a process
-group run on 2 gloo workers (``gradcompress.launch.run``) with placeholders from ``readme_workers``.
+group run on 2 gloo workers (``gradcompress.testbed.launch.run``) with placeholders from ``readme_workers``.
 """
 
 from __future__ import annotations
