@@ -10,6 +10,9 @@ import json
 import math
 
 from gradcompress.cli import main
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
 
 STEPS = 24
 SCHEMES = ["none", "decoupled", "onebitadam:warmup_steps=4,sync_every=4", "none:diloco=8",

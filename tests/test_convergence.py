@@ -16,6 +16,8 @@ import pytest
 from gradcompress.testbed import launch
 from gradcompress.cli import demo, task
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 SCHEMES = [s for s in demo.DEFAULT_SCHEMES if task.scheme_name(s) != task.ONEBITADAM] + \
     ["onebitadam:lr=0.002,warmup_steps=30"]
 WORKERS = 4

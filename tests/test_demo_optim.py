@@ -21,6 +21,8 @@ from gradcompress.codecs.dct import ChunkLayout, dct_matrix
 from gradcompress.optim import DeMo
 from gradcompress.scheme import parse_scheme
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 STEPS, BAD_STEP = 6, 3
 TOTAL, CUT = 7, 4
 

@@ -7,6 +7,8 @@ import diloco_workers as dw
 from gradcompress import make
 from gradcompress.testbed import launch
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 240
 
 

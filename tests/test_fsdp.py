@@ -12,6 +12,8 @@ from gradcompress import make
 from gradcompress.testbed import launch
 from gradcompress.cli import task
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 300
 STEPS = 12
 SCHEMES = ["plain", "none", "int8", "int4", "sign", "topk:ratio=0.05"]

@@ -15,6 +15,8 @@ from gradcompress.testbed import launch
 from gradcompress.cli import task
 from gradcompress.adapters.fsdp_params import PARAM_BLOCK
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 300
 WORLD = hw.NODES * hw.PER_NODE
 STEPS = 8

@@ -16,6 +16,8 @@ from gradcompress.optim import CompressedAdam, OneBitAdam
 from gradcompress.optim.onebit_adam import sync_due
 from gradcompress.scheme import parse_scheme
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 120
 
 

@@ -23,6 +23,8 @@ from gradcompress.cli.schemes import check
 from gradcompress.testbed import netns
 from gradcompress.testbed import netbench_fsdp as nf
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 NETNS_PROBLEM = netns.probe()
 needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
 CMD = [sys.executable, "-m", "gradcompress", "netbench"]

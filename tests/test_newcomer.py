@@ -25,6 +25,8 @@ import newcomer_workers as nw
 from gradcompress.testbed import launch
 from gradcompress.collectives import LocalCollectives
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 240
 
 

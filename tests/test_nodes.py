@@ -16,6 +16,8 @@ from gradcompress.testbed import launch
 from gradcompress.collectives import LocalCollectives
 from gradcompress.exchanges.layout import chunk_numel, fills_buckets
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 600
 STEPS = 6
 CASES = [("none", "none", {}), ("int8 noef", "int8", {"error_feedback": False}),

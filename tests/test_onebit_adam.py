@@ -17,6 +17,8 @@ import onebit_workers as ow
 from gradcompress.testbed import launch
 from gradcompress.optim import OneBitAdam
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 WARMUP, COMPRESSED = 4, 6
 #: checkpoint test: steps in all, the step after which the checkpoint is taken, warm-up
 #: (the cut comes after the warm-up, so the error buffers and frozen variance matter)

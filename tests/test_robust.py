@@ -9,6 +9,8 @@ import torch
 import robust_workers as rw
 from gradcompress.testbed import launch
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 240
 OVERFLOW_SCHEMES = ["dgc:ratio=0.05", "topk:ratio=0.05", "powersgd:rank=2", "sign", "int8", "fp16:momentum=0.9",
                     "sign:momentum=0.9,server_error_feedback=true", "int4:server_error_feedback=true"]

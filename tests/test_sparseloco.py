@@ -15,6 +15,8 @@ from gradcompress.optim import DiLoCo
 from gradcompress.optim.diloco import SPARSELOCO_CODEC, SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR
 from gradcompress.scheme import parse_scheme
 
+pytestmark = pytest.mark.slow  # multi-process runs: outside the fast lane (pytest -m "not slow")
+
 TIMEOUT = 120
 
 
