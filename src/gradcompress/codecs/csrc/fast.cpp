@@ -23,7 +23,11 @@
 #include <limits>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <vector>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #define GC_API extern "C" __attribute__((visibility("default")))
 
@@ -50,6 +54,34 @@ void parallel_for(int64_t items, int nthreads, F fn) {
   }
   fn(int64_t(0), items / t, 0);
   for (auto& th : pool) th.join();
+}
+
+// Outputs of at least this many bytes are written with streaming (non-temporal) stores where nothing reads them
+// back in the same call: far larger than the L2 cache, so they would leave it anyway, and a streaming store skips
+// reading each destination line before overwriting it (a third of the memory traffic of a decode).
+constexpr int64_t STREAM_MIN_BYTES = int64_t(4) << 20;
+
+// dst[0..len) = src[0..len) (src: a small buffer in L1), with streaming stores on the aligned part of dst.
+// Call stream_fence() before the written memory is handed to anyone else (other threads, the caller).
+inline void stream_copy(float* __restrict dst, const float* __restrict src, int64_t len) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j < len && (reinterpret_cast<uintptr_t>(dst + j) & 63); ++j) dst[j] = src[j];
+  for (; j + 16 <= len; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+#elif defined(__AVX__)
+  for (; j < len && (reinterpret_cast<uintptr_t>(dst + j) & 31); ++j) dst[j] = src[j];
+  for (; j + 8 <= len; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+#elif defined(__SSE2__)
+  for (; j < len && (reinterpret_cast<uintptr_t>(dst + j) & 15); ++j) dst[j] = src[j];
+  for (; j + 4 <= len; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+#endif
+  for (; j < len; ++j) dst[j] = src[j];
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 inline uint32_t abs_key(float v) {
@@ -321,6 +353,65 @@ inline void store_res(uint16_t* r, int64_t i, float v) {
   r[i] = std::isnan(v) ? uint16_t(0x7FC0) : uint16_t((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
 }
 
+// quantize_impl for int8 codes rounded to nearest (UNIFORM, 8 bits, not stochastic, decoded as float(c) * scale):
+// per bucket one pass that adds the residual and takes the abs-max, one that writes the codes straight into the
+// payload and the new residual (streamed for large tensors when float32). The same operations on every element
+// as block_codes, pack_block<8> and the residual loop of quantize_impl, in fewer passes over the bucket.
+template <class R>
+void int8_uniform(const float* x, const R* r, int64_t n, int64_t bucket, int qmax, int8_t* codes, float* scale,
+                  R* rout, int nthreads) {
+  const int64_t nb = (n + bucket - 1) / bucket;
+  const bool stream = std::is_same<R, float>::value && rout && n * int64_t(sizeof(float)) >= STREAM_MIN_BYTES;
+  parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
+    std::vector<float> sum(r ? bucket : 0), fed(stream ? bucket : 0);
+    const float q = float(qmax);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * bucket, len = std::min(bucket, n - start);
+      const float* y = x + start;  // may alias rout (not __restrict): each element is read before it is written
+      uint32_t m = 0;
+      if (r) {
+        float* __restrict t = sum.data();
+        const float* __restrict xs = x + start;
+        const R* __restrict rs = r + start;
+        for (int64_t j = 0; j < len; ++j) {
+          t[j] = xs[j] + load_res(rs, j);
+          const uint32_t k = abs_key(t[j]);
+          m = k > m ? k : m;
+        }
+        y = t;
+      } else {
+        for (int64_t j = 0; j < len; ++j) {
+          const uint32_t k = abs_key(y[j]);
+          m = k > m ? k : m;
+        }
+      }
+      const float s = key_float(m) / q;  // NaN if the bucket holds a NaN (bucket_scale's UNIFORM scale)
+      scale[b] = s;
+      const float sd = s / 1.0f;
+      int8_t* __restrict c = codes + start;
+      if (s > 0.0f && s < std::numeric_limits<float>::infinity()) {
+        for (int64_t j = 0; j < len; ++j) {
+          float v = round_even(y[j] / s);
+          v = v < -q ? -q : (v > q ? q : v);
+          c[j] = int8_t(int(v));
+        }
+      } else {
+        std::memset(c, 0, len);
+      }
+      if (!rout) continue;
+      if (stream) {
+        float* __restrict f = fed.data();
+        for (int64_t j = 0; j < len; ++j) f[j] = y[j] - float(c[j]) * sd;
+        stream_copy(reinterpret_cast<float*>(rout) + start, f, len);
+      } else {
+        R* ro = rout + start;
+        for (int64_t j = 0; j < len; ++j) store_res(ro, j, y[j] - float(c[j]) * sd);
+      }
+    }
+    if (stream) stream_fence();
+  });
+}
+
 // Codes and scales of x + r (r may be null: x alone). With rout (error feedback fused into the encode):
 // rout = (x + r) - decode(codes), element by element, in the same pass; x + r is never materialised
 // beyond one bucket. rout may alias x or r (each bucket is read whole before any of it is written).
@@ -328,6 +419,11 @@ template <int BITS, class R>
 void quantize_impl(const float* x, const R* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
                    uint8_t* codes, float* scale, R* rout, uint64_t index0, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
+  if (BITS == 8 && p.kind == UNIFORM && !p.stochastic && d.is_signed && d.mul == 1 && d.offset == 0 &&
+      d.div == 1.0f) {  // int8 (round to nearest): its own two-pass loop, the same values
+    int8_uniform(x, r, n, bucket, p.qmax, reinterpret_cast<int8_t*>(codes), scale, rout, nthreads);
+    return;
+  }
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
     std::vector<float> sum(r ? bucket : 0);
@@ -369,6 +465,7 @@ void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_
                      int accumulate, float* out, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   const int mul = d.mul, offset = d.offset;
+  const bool stream = !accumulate && n * int64_t(sizeof(float)) >= STREAM_MIN_BYTES;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
     alignas(64) float v[BLOCK];
@@ -378,7 +475,7 @@ void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_
       for (int64_t o = 0; o < len; o += BLOCK) {
         const int64_t l = std::min(BLOCK, len - o);
         float* y = out + start + o;
-        float* dst = accumulate ? v : y;
+        float* dst = accumulate || stream ? v : y;
         if (BITS == 8 && d.is_signed) {
           const int8_t* ci = reinterpret_cast<const int8_t*>(codes) + start + o;
           for (int64_t j = 0; j < l; ++j) dst[j] = float(ci[j]) * s;
@@ -388,8 +485,11 @@ void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_
         }
         if (accumulate)
           for (int64_t j = 0; j < l; ++j) y[j] += v[j];
+        else if (stream)
+          stream_copy(y, v, l);
       }
     }
+    if (stream) stream_fence();
   });
 }
 
@@ -468,7 +568,7 @@ int64_t select_top(const float* x, const int32_t* cand, int64_t c, int64_t k, in
 }  // namespace
 
 // ============================================================================= C API
-GC_API int gc_version() { return 9; }
+GC_API int gc_version() { return 10; }
 
 #define GC_BITS_SWITCH(CALL)           \
   switch (bits) {                      \
