@@ -215,6 +215,14 @@ class Codec:
         """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n))."""
         out.add_(self.decode(payload).reshape(out.shape))
 
+    def mean_into(self, payloads, out: torch.Tensor, divisor: int) -> None:
+        """``out`` = (decode(payloads[0]) + ... + decode(payloads[-1])) / divisor: :meth:`decode_into` of the first,
+        :meth:`accumulate_into` of the others in order, ``out.div_(divisor)`` (the chunk owner's mean in the two-step
+        reduce; codecs with fused kernels compute the same values in one pass that writes ``out`` once)."""
+        for i, payload in enumerate(payloads):
+            (self.accumulate_into if i else self.decode_into)(payload, out)
+        out.div_(divisor)
+
     def wire_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes one encode of a tensor of ``numel`` elements sends (fixed-layout codecs)."""
         x = torch.zeros(numel, dtype=dtype)

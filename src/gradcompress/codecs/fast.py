@@ -227,6 +227,10 @@ def _declare(lib) -> None:
         "gc_quantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_p, c_int,
                                 c_int, c_int, c_f, c_u64, c_int, c_int]),
         "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_int, c_p, c_int]),
+        "gc_dequantize_mean": (c_int, [c_p, c_p, c_int, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_f, c_p,
+                                       c_int]),
+        "gc_quantize_mean": (c_int, [c_p, c_p, c_int, c_f, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p,
+                                     c_int, c_int, c_int, c_f, c_u64, c_int]),
         "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
         "gc_sample_keys": (None, [c_p, c_i64, c_i64, c_u64, c_p, c_int]),
@@ -440,6 +444,53 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bi
     if rc:
         raise ValueError(f"fast.dequantize: unsupported bits={bits}, bucket={bucket}")
     return out
+
+
+def dequantize_mean(payloads: list, n: int, bucket: int, bits: int, divisor: float, out: torch.Tensor, *,
+                    signed: bool = False, mul: int = 1, offset: int = 0, div: float = 1.0) -> torch.Tensor:
+    """``out`` = the float32 mean of W payloads (``payloads``: (codes, scale) pairs, each as :func:`dequantize`
+    reads it): the decode of the first, the others added in order, then divided by ``divisor`` in float32 — the
+    values of :func:`dequantize` into ``out``, W - 1 accumulating :func:`dequantize` calls and ``out.div_(divisor)``,
+    in one pass that writes ``out`` once."""
+    lib = library()
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError("fast.dequantize_mean: out must be contiguous float32 of n elements")
+    world = len(payloads)
+    code_ptrs = (ctypes.c_void_p * world)(*[_ptr(c) for c, _ in payloads])
+    scale_ptrs = (ctypes.c_void_p * world)(*[_ptr(s) for _, s in payloads])
+    rc = lib.gc_dequantize_mean(code_ptrs, scale_ptrs, world, n, bucket, bits, int(signed), mul, offset, float(div),
+                                float(divisor), _ptr(out), _threads(n))
+    if rc:
+        raise ValueError(f"fast.dequantize_mean: unsupported bits={bits}, bucket={bucket}")
+    return out
+
+
+def quantize_mean(payloads: list, divisor: float, n: int, bucket: int, kind: int, bits: int, qmax: int = 0,
+                  seed: int | None = None, stochastic: bool = False, *, decoding: tuple, codes_out: torch.Tensor,
+                  scale_out: torch.Tensor, index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` (no residuals) of the mean of W payloads of the same codec, into ``codes_out`` and
+    ``scale_out``: the codes and scales of :func:`dequantize_mean` into a buffer followed by :func:`quantize` of
+    it, without the buffer (each bucket's mean is made and encoded while it is in the cache). ``payloads``:
+    (codes, scale) pairs of n elements each, laid out as :func:`dequantize` reads them; ``decoding`` =
+    (signed, mul, offset, div) decodes them and the codes written."""
+    lib = library()
+    nb = -(-n // bucket)
+    code_dtype = torch.int8 if kind == UNIFORM and bits == 8 else torch.uint8
+    if (codes_out.numel() != (n * bits + 7) // 8 or codes_out.dtype != code_dtype or not codes_out.is_contiguous()
+            or scale_out.numel() != nb or scale_out.dtype != torch.float32 or not scale_out.is_contiguous()):
+        raise ValueError("fast.quantize_mean: codes_out / scale_out do not have the payload's layout")
+    if not 0 <= index0 <= 2**32 - n:
+        raise ValueError(f"fast.quantize_mean: index0 + numel = {index0 + n} is beyond the 32-bit noise counter")
+    world = len(payloads)
+    code_ptrs = (ctypes.c_void_p * world)(*[_ptr(c) for c, _ in payloads])
+    scale_ptrs = (ctypes.c_void_p * world)(*[_ptr(s) for _, s in payloads])
+    is_signed, mul, offset, div = decoding
+    rc = lib.gc_quantize_mean(code_ptrs, scale_ptrs, world, float(divisor), n, bucket, kind, bits, qmax,
+                              int(stochastic), stream_key(seed or 0, _SALT_NOISE), _ptr(codes_out), _ptr(scale_out),
+                              int(is_signed), mul, offset, float(div), int(index0), _threads(n))
+    if rc:
+        raise ValueError(f"fast.quantize_mean: unsupported bits={bits}, bucket={bucket}")
+    return codes_out, scale_out
 
 
 def dequantize_ok(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bits: int,

@@ -163,6 +163,33 @@ class Bucketed(Codec):
         codes.copy_(payload.tensors[0].reshape(-1))
         scales.copy_(payload.tensors[1])
 
+    def encode_mean_piece(self, payloads, numel: int, divisor: int, codes: torch.Tensor, scales: torch.Tensor,
+                          seed: int | None, offset: int = 0) -> None:
+        """:meth:`encode_piece` (no residuals) of the mean of W payloads of ``numel`` elements into the caller's
+        ``codes`` and ``scales``: what :meth:`mean_into` a float32 buffer followed by ``encode_piece(buffer, None,
+        None, codes, scales, seed, offset)`` writes, the same bits. ``payloads``: (codes, scales) pairs of this
+        codec's layout (:meth:`code_layout`, one scale per bucket), each starting on a bucket edge. With the
+        kernels (CPU) it is one pass that never stores the mean (the chunk owner's decode, sum and re-encode in the
+        two-step reduce); else exactly that composition."""
+        kernel = self.kernel()
+        layout = self.code_layout(numel)
+        nb = -(-numel // self.bucket)
+        if (kernel is not None and payloads and 0 < numel < 2**31 and fast.enabled() and fast.library() is not None
+                and codes.device.type == "cpu" and codes.dtype == layout[0] and codes.numel() == layout[1]
+                and codes.is_contiguous() and scales.dtype == torch.float32 and scales.numel() == nb
+                and scales.is_contiguous()
+                and all(fast.dequantize_ok(c, s, numel, self.bucket, kernel[1], self.code_dtype, any_size=True)
+                        for c, s in payloads)):
+            kind, bits, qmax, stochastic = kernel
+            fast.quantize_mean(list(payloads), float(divisor), numel, self.bucket, kind, bits, qmax, seed, stochastic,
+                               decoding=self.decoding(), codes_out=codes, scale_out=scales, index0=offset)
+            return
+        device = payloads[0][0].device if payloads else codes.device
+        mean = torch.empty(numel, dtype=torch.float32, device=device)
+        shape = torch.Size([numel])
+        self.mean_into([Payload((c, s), shape, torch.float32, None, device) for c, s in payloads], mean, divisor)
+        self.encode_piece(mean, None, None, codes, scales, seed, offset)
+
     def _fast_encode(self, flat: torch.Tensor, seed, residual=None, residual_out=None, codes=None, scales=None,
                      offset: int = 0):
         kind, bits, qmax, stochastic = self.kernel()
@@ -198,6 +225,17 @@ class Bucketed(Codec):
     def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
         if not self._into(payload, out, True):
             super().accumulate_into(payload, out)
+
+    def mean_into(self, payloads, out: torch.Tensor, divisor: int) -> None:
+        """:meth:`Codec.mean_into` in one pass of the kernel (W payloads decoded, summed in order, divided, written
+        once; the same values) where every payload has the layout it reads, else the reference."""
+        n = out.numel()
+        if (not payloads or n == 0 or out.dtype != torch.float32 or not out.is_contiguous()
+                or any(p.numel != n or not self._fast_decodes(p.tensors, n, any_size=True) for p in payloads)):
+            return super().mean_into(payloads, out, divisor)
+        signed, mul, offset, div = self.decoding()
+        fast.dequantize_mean([p.tensors for p in payloads], n, self.bucket, self.kernel()[1], float(divisor),
+                             out.view(-1), signed=signed, mul=mul, offset=offset, div=div)
 
     def encode_feedback(self, x, residual, *, seed=None, out):
         kernel = self.kernel()

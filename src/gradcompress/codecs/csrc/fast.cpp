@@ -353,23 +353,80 @@ inline void store_res(uint16_t* r, int64_t i, float v) {
   r[i] = std::isnan(v) ? uint16_t(0x7FC0) : uint16_t((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
 }
 
+// The mean of W payloads of one codec, bucket by bucket: (decode(payload 0) + ... + decode(payload W-1)) / divisor,
+// summed left to right in float32 and divided once in float32 — the values of dequantize_impl into a buffer, W - 1
+// accumulating dequantize_impl calls and torch's div_ of the buffer (a power-of-two divisor multiplies by its
+// inverse: the same real number, rounded once, so the same float).
+struct MeanSource {
+  const uint8_t* const* codes;  // W payloads' codes, element 0 of each at the same element
+  const float* const* scale;    // their scales, bucket 0 of each at the same bucket
+  int world;
+  float divisor;
+  Decode d;
+  bool exact_inverse;
+  float inverse;
+
+  MeanSource(const uint8_t* const* c, const float* const* s, int w, float div, const Decode& dec)
+      : codes(c), scale(s), world(w), divisor(div), d(dec) {
+    int exponent = 0;
+    exact_inverse = std::frexp(divisor, &exponent) == 0.5f && exponent > -125 && exponent < 126;
+    inverse = 1.0f / divisor;
+  }
+
+  // y[0..len) = the mean of bucket b (its first element is element start).
+  template <int BITS>
+  void fill(int64_t b, int64_t start, int64_t len, float* __restrict y) const {
+    alignas(64) uint8_t c[BLOCK];
+    alignas(64) float v[BLOCK];
+    alignas(64) float acc[BLOCK];
+    const int mul = d.mul, offset = d.offset;
+    for (int64_t o = 0; o < len; o += BLOCK) {
+      const int64_t l = std::min(BLOCK, len - o);
+      for (int i = 0; i < world; ++i) {
+        const float s = scale[i][b] / d.div;
+        float* __restrict dst = i ? v : acc;
+        if (BITS == 8 && d.is_signed) {
+          const int8_t* ci = reinterpret_cast<const int8_t*>(codes[i]) + start + o;
+          for (int64_t j = 0; j < l; ++j) dst[j] = float(ci[j]) * s;
+        } else {
+          unpack_block<BITS>(codes[i] + (start + o) * BITS / 8, l, c);
+          for (int64_t j = 0; j < l; ++j) dst[j] = float(int(c[j]) * mul - offset) * s;
+        }
+        if (i)
+          for (int64_t j = 0; j < l; ++j) acc[j] += v[j];
+      }
+      float* __restrict yo = y + o;
+      if (exact_inverse)
+        for (int64_t j = 0; j < l; ++j) yo[j] = acc[j] * inverse;
+      else
+        for (int64_t j = 0; j < l; ++j) yo[j] = acc[j] / divisor;
+    }
+  }
+};
+
 // quantize_impl for int8 codes rounded to nearest (UNIFORM, 8 bits, not stochastic, decoded as float(c) * scale):
 // per bucket one pass that adds the residual and takes the abs-max, one that writes the codes straight into the
 // payload and the new residual (streamed for large tensors when float32). The same operations on every element
 // as block_codes, pack_block<8> and the residual loop of quantize_impl, in fewer passes over the bucket.
 template <class R>
 void int8_uniform(const float* x, const R* r, int64_t n, int64_t bucket, int qmax, int8_t* codes, float* scale,
-                  R* rout, int nthreads) {
+                  R* rout, const MeanSource* mean, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   const bool stream = std::is_same<R, float>::value && rout && n * int64_t(sizeof(float)) >= STREAM_MIN_BYTES;
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
-    std::vector<float> sum(r ? bucket : 0), fed(stream ? bucket : 0);
+    std::vector<float> sum(r || mean ? bucket : 0), fed(stream ? bucket : 0);
     const float q = float(qmax);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * bucket, len = std::min(bucket, n - start);
-      const float* y = x + start;  // may alias rout (not __restrict): each element is read before it is written
+      const float* y = mean ? sum.data() : x + start;  // may alias rout (not __restrict): read before written
       uint32_t m = 0;
-      if (r) {
+      if (mean) {
+        mean->fill<8>(b, start, len, sum.data());
+        for (int64_t j = 0; j < len; ++j) {
+          const uint32_t k = abs_key(y[j]);
+          m = k > m ? k : m;
+        }
+      } else if (r) {
         float* __restrict t = sum.data();
         const float* __restrict xs = x + start;
         const R* __restrict rs = r + start;
@@ -415,23 +472,27 @@ void int8_uniform(const float* x, const R* r, int64_t n, int64_t bucket, int qma
 // Codes and scales of x + r (r may be null: x alone). With rout (error feedback fused into the encode):
 // rout = (x + r) - decode(codes), element by element, in the same pass; x + r is never materialised
 // beyond one bucket. rout may alias x or r (each bucket is read whole before any of it is written).
+// mean (may be null): encode the mean of W payloads of this codec (MeanSource; x and r unused) instead of x + r.
 template <int BITS, class R>
 void quantize_impl(const float* x, const R* r, int64_t n, int64_t bucket, const QParams& p, const Decode& d,
-                   uint8_t* codes, float* scale, R* rout, uint64_t index0, int nthreads) {
+                   uint8_t* codes, float* scale, R* rout, uint64_t index0, const MeanSource* mean, int nthreads) {
   const int64_t nb = (n + bucket - 1) / bucket;
   if (BITS == 8 && p.kind == UNIFORM && !p.stochastic && d.is_signed && d.mul == 1 && d.offset == 0 &&
       d.div == 1.0f) {  // int8 (round to nearest): its own two-pass loop, the same values
-    int8_uniform(x, r, n, bucket, p.qmax, reinterpret_cast<int8_t*>(codes), scale, rout, nthreads);
+    int8_uniform(x, r, n, bucket, p.qmax, reinterpret_cast<int8_t*>(codes), scale, rout, mean, nthreads);
     return;
   }
   parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
     alignas(64) uint8_t c[BLOCK];
-    std::vector<float> sum(r ? bucket : 0);
+    std::vector<float> sum(r || mean ? bucket : 0);
     const int mul = d.mul, offset = d.offset;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * bucket, len = std::min(bucket, n - start);
       const float* y = x + start;
-      if (r) {
+      if (mean) {
+        mean->fill<BITS>(b, start, len, sum.data());
+        y = sum.data();
+      } else if (r) {
         float* __restrict t = sum.data();
         const float* __restrict xs = x + start;
         const R* __restrict rs = r + start;
@@ -490,6 +551,18 @@ void dequantize_impl(const uint8_t* codes, const float* scale, int64_t n, int64_
       }
     }
     if (stream) stream_fence();
+  });
+}
+
+// out = (decode(payload 0) + ... + decode(payload W-1)) / divisor for all n elements (MeanSource).
+template <int BITS>
+void dequantize_mean_impl(const MeanSource& src, int64_t n, int64_t bucket, float* out, int nthreads) {
+  const int64_t nb = (n + bucket - 1) / bucket;
+  parallel_for(nb, nthreads, [&](int64_t b0, int64_t b1, int) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * bucket;
+      src.fill<BITS>(b, start, std::min(bucket, n - start), out + start);
+    }
   });
 }
 
@@ -598,13 +671,13 @@ GC_API int gc_quantize(const float* x, const void* r, int64_t n, int64_t bucket,
   if (res_bf16) {
     const uint16_t* rr = static_cast<const uint16_t*>(r);
     uint16_t* ro = static_cast<uint16_t*>(rout);
-#define GC_Q(B) quantize_impl<B, uint16_t>(x, rr, n, bucket, p, d, c, scale, ro, index0, nthreads)
+#define GC_Q(B) quantize_impl<B, uint16_t>(x, rr, n, bucket, p, d, c, scale, ro, index0, nullptr, nthreads)
     GC_BITS_SWITCH(GC_Q)
 #undef GC_Q
   } else {
     const float* rr = static_cast<const float*>(r);
     float* ro = static_cast<float*>(rout);
-#define GC_Q(B) quantize_impl<B, float>(x, rr, n, bucket, p, d, c, scale, ro, index0, nthreads)
+#define GC_Q(B) quantize_impl<B, float>(x, rr, n, bucket, p, d, c, scale, ro, index0, nullptr, nthreads)
     GC_BITS_SWITCH(GC_Q)
 #undef GC_Q
   }
@@ -620,6 +693,38 @@ GC_API int gc_dequantize(const void* codes, const float* scale, int64_t n, int64
 #define GC_D(B) dequantize_impl<B>(c, scale, n, bucket, d, accumulate, out, nthreads)
   GC_BITS_SWITCH(GC_D)
 #undef GC_D
+  return 0;
+}
+
+// out = the mean of world payloads of n elements (codes[i], scale[i]): dequantize_mean_impl.
+GC_API int gc_dequantize_mean(const void* const* codes, const float* const* scale, int world, int64_t n,
+                              int64_t bucket, int bits, int is_signed, int mul, int offset, float div, float divisor,
+                              float* out, int nthreads) {
+  if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1 || world < 1) return -1;
+  const MeanSource src(reinterpret_cast<const uint8_t* const*>(codes), scale, world, divisor,
+                       Decode{is_signed, mul, offset, div});
+#define GC_M(B) dequantize_mean_impl<B>(src, n, bucket, out, nthreads)
+  GC_BITS_SWITCH(GC_M)
+#undef GC_M
+  return 0;
+}
+
+// codes_out, scale_out = the encode (as gc_quantize without residuals) of the mean of world payloads of this codec
+// (codes[i], scale[i]: n elements each, decoded with is_signed, mul, offset, div; summed in order, divided by
+// divisor): the codes and scales of gc_dequantize_mean into a buffer and gc_quantize of it, without the buffer.
+GC_API int gc_quantize_mean(const void* const* codes, const float* const* scale, int world, float divisor, int64_t n,
+                            int64_t bucket, int kind, int bits, int qmax, int stochastic, uint64_t key,
+                            void* codes_out, float* scale_out, int is_signed, int mul, int offset, float div,
+                            uint64_t index0, int nthreads) {
+  if (bits < 1 || bits > 8 || (bits < 8 && bucket % 8) || bucket < 1 || world < 1) return -1;
+  if (n < 0 || index0 > (uint64_t(1) << 32) - uint64_t(n)) return -2;
+  const QParams p{kind, bits, qmax, stochastic, key};
+  const Decode d{is_signed, mul, offset, div};
+  const MeanSource src(reinterpret_cast<const uint8_t* const*>(codes), scale, world, divisor, d);
+  uint8_t* c = static_cast<uint8_t*>(codes_out);
+#define GC_Q(B) quantize_impl<B, float>(nullptr, nullptr, n, bucket, p, d, c, scale_out, nullptr, index0, &src, nthreads)
+  GC_BITS_SWITCH(GC_Q)
+#undef GC_Q
   return 0;
 }
 
