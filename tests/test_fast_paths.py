@@ -306,6 +306,97 @@ def test_decode_into_and_accumulate_into(lib, spec):
     assert torch.equal(acc, want)
 
 
+LARGE = (1 << 20) + 37  # a decode or residual of >= 4 MiB: written with streaming stores (fast.cpp's STREAM_MIN_BYTES)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bits (-0.0 differs from 0.0; NaN payloads compared)."""
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int8:bucket=7", "int8:stochastic=true", "qsgd", "terngrad"])
+@pytest.mark.parametrize("alias", ["fresh", "x", "residual", "shifted"])
+def test_large_outputs_streamed_are_the_reference(lib, spec, alias):
+    """Large residuals and decodes (streaming stores, from any alignment; the int8 encode's own loop) ==
+    the reference bit for bit."""
+    codec = make(spec)
+    x = big_input(LARGE, seed=11)
+    x[70000:70003] = float("nan")
+    r = big_input(LARGE, seed=12, wide=False) * 0.1
+    ref_out = torch.empty(LARGE)
+    ref = type(codec).__mro__[-2].encode_feedback(codec, x.clone(), r.clone(), seed=5, out=ref_out)
+    xs, rs = x.clone(), r.clone()
+    room = torch.zeros(LARGE + 3)
+    out = {"fresh": torch.empty(LARGE), "x": xs, "residual": rs, "shifted": room[1 : 1 + LARGE]}[alias]
+    got = codec.encode_feedback(xs, rs, seed=5, out=out)
+    for a, b in zip(got.tensors, ref.tensors):
+        assert same_bits(a, b)
+    assert same_bits(out, ref_out)
+    with fast.use(False):
+        want = codec.decode(ref)
+    assert same_bits(codec.decode(got), want)
+    into = torch.full((LARGE + 5,), 0.5)
+    codec.decode_into(got, into[3 : 3 + LARGE])
+    assert same_bits(into[3 : 3 + LARGE], want) and (into[:3] == 0.5).all() and (into[-2:] == 0.5).all()
+
+
+@pytest.mark.parametrize("spec", FEEDBACK + ["int4:stochastic=true", "qsgd:levels=100"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_mean_into_is_decode_accumulate_divide(lib, spec, world):
+    """``mean_into`` (one kernel pass) == decode_into, accumulate_into in order, div_ (the chunk owner's mean)."""
+    from gradcompress.codecs.base import Codec
+
+    codec = make(spec)
+    payloads = [codec.encode(big_input(seed=20 + i, wide=i % 2 == 0) * 10.0 ** -i, seed=i) for i in range(world)]
+    want = torch.full((N,), 0.5)
+    Codec.mean_into(codec, payloads, want, world)
+    got = torch.full((N,), -1.0)
+    codec.mean_into(payloads, got, world)
+    assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("spec", FEEDBACK + ["int4:stochastic=true", "qsgd:levels=100", "int8:bucket=100"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("offset", [0, 512 * 3])
+def test_encode_mean_piece_is_mean_then_encode(lib, spec, world, offset):
+    """``encode_mean_piece`` (the mean made and re-encoded bucket by bucket, never stored) == mean_into a buffer,
+    then encode_piece of it: the same codes and scales, stochastic noise at the same element offsets."""
+    codec = make(spec)
+    if not codec.slices_by_bucket():
+        pytest.skip("not a bucket-sliced codec")
+    offset = offset // 512 * codec.bucket
+    payloads = [codec.encode(big_input(seed=30 + i) * 10.0 ** -i, seed=i) for i in range(world)]
+    dtype, count = codec.code_layout(N)
+    buckets = -(-N // codec.bucket)
+    mean = torch.empty(N)
+    codec.mean_into(payloads, mean, world)
+    want_codes, want_scales = torch.zeros(count, dtype=dtype), torch.zeros(buckets)
+    codec.encode_piece(mean, None, None, want_codes, want_scales, 9, offset)
+    codes, scales = torch.ones(count, dtype=dtype), torch.ones(buckets)
+    codec.encode_mean_piece([p.tensors for p in payloads], N, world, codes, scales, 9, offset)
+    assert same_bits(codes, want_codes) and same_bits(scales, want_scales)
+    with fast.use(False):  # the reference composition where no kernel applies
+        codes2, scales2 = torch.ones(count, dtype=dtype), torch.ones(buckets)
+        codec.encode_mean_piece([p.tensors for p in payloads], N, world, codes2, scales2, 9, offset)
+        mean2 = torch.empty(N)
+        codec.mean_into(payloads, mean2, world)
+        want2_codes, want2_scales = torch.zeros(count, dtype=dtype), torch.zeros(buckets)
+        codec.encode_piece(mean2, None, None, want2_codes, want2_scales, 9, offset)
+    assert same_bits(codes2, want2_codes) and same_bits(scales2, want2_scales)
+
+
+def test_empty_outputs_on_huge_pages(monkeypatch):
+    """``fast.empty``: an ordinary uninitialised tensor (the advice changes no value); small ones untouched."""
+    big = fast.empty((1500, 1031))
+    assert big.shape == (1500, 1031) and big.dtype == torch.float32 and big.is_contiguous()
+    big.fill_(2.0)
+    assert (big == 2.0).all()
+    assert fast.empty(10, torch.int8).shape == (10,)
+    monkeypatch.setenv(fast.HUGE_ENV_VAR, "0")
+    assert fast.empty(3 << 20).numel() == 3 << 20
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4", "sign", "int8:stochastic=true", "qsgd", "terngrad", "qsgd:levels=100"])
 def test_quantisers_nonfinite(lib, spec):
     codec = make(spec)
