@@ -86,6 +86,10 @@ def measure_in_step(steps: int) -> dict:
 
 
 def child(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     out = {}
     if "codecs" in args.parts:
         out.update(measure_codecs(args.repeats))
@@ -97,7 +101,7 @@ def child(args) -> None:
 def run_tree(src: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--repeats", str(args.repeats), "--steps",
-           str(args.steps), "--parts", args.parts]
+           str(args.steps), "--parts", args.parts, "--threads", str(args.threads)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{src}: {out.stderr[-3000:]}")
@@ -111,6 +115,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timings per codec quantity (the minimum is kept)")
     ap.add_argument("--steps", type=int, default=6, help="in-step: timed steps per launch (the median is kept)")
     ap.add_argument("--parts", default="codecs,instep", help="codecs, instep or both (comma-separated)")
+    ap.add_argument("--threads", type=int, default=0, help="codecs: torch threads (default: torch's own)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

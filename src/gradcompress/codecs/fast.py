@@ -16,6 +16,12 @@ semantics are the same on both paths:
   two multiply-xorshift rounds of the element index keyed by :func:`stream_key`, 24 bits
   of it as the uniform), so element i's noise does not depend on how the tensor is cut.
 
+Memory traffic (none of it changes a value): outputs of 4 MiB and more that nothing reads back in the same call
+(a decode, the new residual of the fused error feedback) are written with streaming stores, which skip reading
+each destination line first; fresh decode outputs come from :func:`empty` (huge pages); the chunk owner's mean
+of W payloads is one pass (``Codec.mean_into``) and can be re-encoded without being stored
+(``Bucketed.encode_mean_piece``).
+
 When the fast path is taken: :func:`enabled` (the environment variable
 ``GRADCOMPRESS_FAST=0`` turns it off, :func:`set_enabled` / :func:`use` override it), the
 tensor is on the CPU and has at least :data:`MIN_NUMEL` elements (and fewer than 2**31),

@@ -13,7 +13,8 @@
 // the deterministic codecs give identical codes. Exceptions: bucket sums and norms are
 // accumulated in double (the reference sums in float32 in another order), and the
 // stochastic codecs draw their noise from a counter-based 32-bit hash of the seed's key
-// and the element index (uniform32) instead of torch.rand.
+// and the element index (uniform32) instead of torch.rand. Streaming stores (large outputs
+// not read back in the call) and fused passes change memory traffic, never a value.
 
 #include <algorithm>
 #include <atomic>
