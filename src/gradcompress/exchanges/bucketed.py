@@ -40,22 +40,16 @@ class _Layout:
 def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
                            reencode, finish, divisor: int) -> Job:
     """The rounds: ``codes``/``scales`` are this rank's payload of the group (W equal chunks of whole buckets,
-    chunk j for rank j); ``reencode(mean_chunk)`` gives this rank's chunk's codes and scales (the sum of its W
-    payloads divided by ``divisor``); ``finish(codes, scales)`` decodes the gathered payload. Each rank sends about
-    twice its compressed size."""
+    chunk j for rank j); ``reencode(received, divisor)`` gives this rank's chunk's codes and scales from the W
+    (codes, scales) received for it (their decoded sum divided by ``divisor``, re-encoded); ``finish(codes, scales)``
+    decodes the gathered payload. Each rank sends about twice its compressed size."""
     world = comm.world
     got_codes, w1 = comm.all_to_all(codes)
     got_scales, w2 = comm.all_to_all(scales)
     yield [w1, w2]
     cn, sn = codes.numel() // world, scales.numel() // world
-    per = sn * codec.bucket
-    total = torch.empty(per, dtype=torch.float32, device=codes.device)
-    shape = torch.Size([per])
-    for i in range(world):
-        theirs = Payload((got_codes[i * cn : (i + 1) * cn], got_scales[i * sn : (i + 1) * sn]), shape,
-                         torch.float32, None, codes.device)
-        (codec.accumulate_into if i else codec.decode_into)(theirs, total)
-    mine_codes, mine_scales = reencode(total.div_(divisor))
+    received = [(got_codes[i * cn : (i + 1) * cn], got_scales[i * sn : (i + 1) * sn]) for i in range(world)]
+    mine_codes, mine_scales = reencode(received, divisor)
     all_codes, w1 = comm.all_gather_flat(mine_codes)
     all_scales, w2 = comm.all_gather_flat(mine_scales)
     yield [w1, w2]
@@ -94,15 +88,17 @@ class BucketedExchange:
                 codec.decode_into(Payload((c, s), x.shape, torch.float32, None, device), out)
 
         return bucketed_two_step_mean(self.comm, codec, codes, scales,
-                                      lambda mean: self._reencode(ctx, lay, group, keys, inputs, mean), finish,
+                                      lambda received, divisor: self._reencode(ctx, lay, group, keys, inputs,
+                                                                               received, divisor), finish,
                                       ctx.divisor)
 
-    def _reencode(self, ctx, lay: _Layout, group, keys, inputs, mean: torch.Tensor):
-        """This rank's chunk of the averaged group, re-encoded tensor piece by tensor piece."""
+    def _reencode(self, ctx, lay: _Layout, group, keys, inputs, received, divisor):
+        """This rank's chunk of the averaged group (the W ``received`` payloads of it, summed, divided by
+        ``divisor``), re-encoded tensor piece by tensor piece without storing the mean (``encode_mean_piece``)."""
         codec, size = self.codec, lay.size
         lo, hi = self.comm.rank * lay.per_chunk, (self.comm.rank + 1) * lay.per_chunk
-        mine_codes = ctx.zeroed("owner codes", group, lay.chunk_codes, lay.code_dtype, mean.device)
-        mine_scales = ctx.zeroed("owner scales", group, lay.per_chunk, torch.float32, mean.device)
+        mine_codes = ctx.zeroed("owner codes", group, lay.chunk_codes, lay.code_dtype, received[0][0].device)
+        mine_scales = ctx.zeroed("owner scales", group, lay.per_chunk, torch.float32, received[0][0].device)
         first = lay.first
         for t in range(max(0, bisect.bisect_right(first, lo) - 1), len(inputs)):
             a, b = max(first[t], lo), min(first[t + 1], hi)
@@ -113,9 +109,10 @@ class BucketedExchange:
             start = (a - first[t]) * size
             numel = min(inputs[t].numel(), (b - first[t]) * size) - start
             c, s = lay.place(mine_codes, mine_scales, a - lo, numel)
-            m = mean[(a - lo) * size : (a - lo) * size + numel]
+            pieces = [lay.place(rc, rs, a - lo, numel) for rc, rs in received]
             # the noise of an element's re-encode does not depend on which rank owns it (nor on the grouping)
-            codec.encode_piece(m, None, None, c, s, ctx.seed(keys[t], codec, salt=1, shared=True), start)
+            codec.encode_mean_piece(pieces, numel, divisor, c, s, ctx.seed(keys[t], codec, salt=1, shared=True),
+                                    start)
         return mine_codes, mine_scales
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..codecs import fast
 from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job, floats, from_bytes, layout, nbytes, one_job, to_bytes
 from .bucketed import BucketedExchange
@@ -35,12 +36,12 @@ def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencod
     mine = []
     for k, per_tensor in enumerate(chunks):
         template = per_tensor[comm.rank]
-        total = torch.empty(template.numel, dtype=torch.float32, device=received_bytes.device)
-        for i in range(world):
-            start_at = i * block_bytes + offsets[k]
-            theirs = template.replace(from_bytes(received_bytes[start_at : start_at + sizes[k]], lays[k]))
-            (codec.accumulate_into if i else codec.decode_into)(theirs, total)
-        mine.append(reencode(k, total.div_(divisor)))
+        total = fast.empty(template.numel, device=received_bytes.device)
+        theirs = [template.replace(from_bytes(received_bytes[i * block_bytes + offsets[k]:
+                                                             i * block_bytes + offsets[k] + sizes[k]], lays[k]))
+                  for i in range(world)]
+        codec.mean_into(theirs, total, divisor)  # decode, sum in order, divide: one pass with the kernels
+        mine.append(reencode(k, total))
     return mine
 
 
