@@ -6,9 +6,10 @@ A compressed tensor goes through, per parameter::
          -> (chunk owner: + server residual -> re-encode) -> decode -> averaged gradient
 
 Each stage is a small frozen dataclass in the manner of optax's transformations: ``update(x, state) -> (x',
-new_state)`` before the codec (a stage's state starts as None: nothing to initialise); the stages that remember what compression delivered
-(error feedback: residual' = sent - delivered; masked momentum: u cleared where something was delivered) have one
-more pure function for that. Nothing here mutates its inputs or keeps state of its own.
+new_state)`` before the codec (a stage's state starts as None: nothing to initialise); the stages that remember
+what compression delivered (error feedback: residual' = sent - delivered; masked momentum: u cleared where
+something was delivered) have one more pure function for that. Nothing here mutates its inputs or keeps state
+of its own.
 
 :class:`Transforms` chains them (clip -> momentum correction -> worker error feedback) for one step: it reads the
 committed states and writes the new ones through the step's :class:`~gradcompress.exchanges.context.Context`, so a

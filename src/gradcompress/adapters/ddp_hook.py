@@ -1,8 +1,8 @@
 """The DistributedDataParallel communication hook itself (:mod:`gradcompress.adapters.ddp` builds on it).
 
 ``register_ddp_hook(model, "int8")`` or ``register_ddp_hook(model, compressor)`` installs :func:`hook` with the
-Compressor as its state (``ddp_model.register_comm_hook(compressor, hook)`` is the same). For each bucket DDP hands over, the hook
-opens the step if none is open, asks the step for the bucket's exchange and launches
+Compressor as its state (``ddp_model.register_comm_hook(compressor, hook)`` is the same). For each bucket DDP
+hands over, the hook opens the step if none is open, asks the step for the bucket's exchange and launches
 it (its first round of collectives is issued now, overlapping the rest of the backward
 pass); at the last bucket it finishes the step: every bucket's remaining rounds are
 driven in bucket order, the step commits or rolls back, and the futures complete. All
