@@ -76,11 +76,10 @@ def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list) -> No
 
 
 def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
-                received: Callable[[list[Payload]], None] | None = None, divisor: int | None = None) -> Job:
+                received: Callable[[list[Payload]], None] | None, divisor: int) -> Job:
     """All-gather every rank's payloads (sizes first if they vary), decode each, add them into ``outs`` and divide
-    by ``divisor`` (default: the group's size). ``received(payloads)`` is called with every rank's payloads (the
+    by ``divisor``. ``received(payloads)`` is called with every rank's payloads (the
     same on every rank)."""
-    divisor = divisor or comm.world
     gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None)
     for out in outs:
         out.zero_()

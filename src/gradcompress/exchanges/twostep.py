@@ -69,9 +69,9 @@ def _decode_gathered(codec: Codec, mine: list[Payload], gathered, outs, seen: li
 
 def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: list[torch.Tensor],
                   reencode: Callable[[int, torch.Tensor], Payload],
-                  received: Callable[[list[Payload]], None] | None = None, divisor: int | None = None) -> Job:
+                  received: Callable[[list[Payload]], None] | None, divisor: int) -> Job:
     """Two-step reduce of chunked payloads: ``chunks[k][j]`` is this rank's payload for chunk j of tensor k
-    (every chunk of a tensor has the same numel); the sum is divided by ``divisor`` (default: the group's size).
+    (every chunk of a tensor has the same numel); the sum is divided by ``divisor``.
     ``received(payloads)`` is called with the gathered payloads
     (the same on every rank). Received chunks are decoded with this rank's payload as the template (layout,
     seed): the codec must have a fixed layout and a decode that does not depend on the seed."""
@@ -82,7 +82,7 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     send = to_bytes([t for j in range(comm.world) for per_tensor in chunks for t in per_tensor[j].tensors])
     received_bytes, work = comm.all_to_all(send)
     yield [work]
-    mine = _owner_sums(comm, codec, chunks, received_bytes, reencode, divisor or comm.world)
+    mine = _owner_sums(comm, codec, chunks, received_bytes, reencode, divisor)
     gathered, work = comm.all_gather(to_bytes([t for p in mine for t in p.tensors]))
     yield [work]
     seen: list = []
