@@ -118,9 +118,7 @@ class Compressor:
         session = self.session
         comm = session.open(collectives)
         self._reconcile_world(comm.world)
-        if "resolved" not in self._pending:
-            session.resolve()
-            self._pending["resolved"] = True
+        session.resolve()
         self._reconcile_topology()
         plan = plan_at(self.options, self.state.step) if plan is None else plan
         self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit)
@@ -223,7 +221,7 @@ class Compressor:
         self._pending.update(world=world, topology=state.get("topology", "flat"))
         if self.session.comm is not None:
             self._reconcile_world(self.session.comm.world)
-        if "resolved" in self._pending:
+        if self.session.resolved:
             self._reconcile_topology()
 
     def _reconcile_world(self, world: int) -> None:

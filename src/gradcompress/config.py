@@ -48,9 +48,6 @@ def _options(spec, given: dict):
         if from_spec:
             given = merge_compressor_options(from_spec, given, spec=spec)
             spec = codec_spec
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise TypeError(f"Compressor: unknown option {unknown[0]!r}; the options are {', '.join(DEFAULTS)}")
     return spec, {**DEFAULTS, **given}
 
 

@@ -54,6 +54,7 @@ class Session:
         self.nodes: list | None = None
         self.key_of: dict[int, int] = {}
         self.params_checked = False  # synchronize's one check that the replicas start equal
+        self.resolved = False
         self._divisor = divisor
         self.dense_codec = make("none")  # the codec of dense steps on paths that encode anyway (FSDP)
 
@@ -78,7 +79,13 @@ class Session:
         return self.comm
 
     def resolve(self) -> None:
-        """Check once that every rank is configured alike and find the nodes (one small all-gather)."""
+        """Check once that every rank is configured alike and find the nodes (one small all-gather; later calls do
+        nothing, unless this one raised)."""
+        if not self.resolved:
+            self._resolve()
+            self.resolved = True
+
+    def _resolve(self) -> None:
         c = self.config
         text = f"{c.text()} topology={topology_mod.describe(c.topology)} intra_node={c.intra_node}"
         keys = self.comm.check_same(text, "gradcompress", topology_mod.node_key() if c.topology == "auto" else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import Collectives, Job, parallel
+from ..collectives import Collectives, Job, one_job
 from .context import all_finite
 from .layout import IN_PLACE_NUMEL, flat_cat, scatter
 
@@ -41,7 +41,7 @@ class DenseExchange:
                 rest = [g for g, w in zip(grads, where) if not w]
                 flat = flat_cat(rest) if rest else None
                 parts = big + ([flat] if flat is not None else [])
-                yield from _all(comm, parts, divisor)
+                yield from one_job([dense_mean(comm, t, divisor) for t in parts])
                 ctx.check(torch.stack([all_finite(t) for t in parts]).all())
                 if flat is not None:
                     scatter(flat, rest)
@@ -54,21 +54,12 @@ class DenseExchange:
         if exact is None:
             yield from dense_mean(comm, flat, divisor)
         else:
-            yield from parallel([dense_mean(comm, flat, divisor), ctx.monitor.exact_mean(comm, exact, divisor)])
+            yield from one_job([dense_mean(comm, flat, divisor), ctx.monitor.exact_mean(comm, exact, divisor)])
         ctx.check(all_finite(flat))
         if buffer is None:
             scatter(flat, grads)
         if exact is not None:
             ctx.monitor.record(keys, exact, [g.float() for g in grads])
-
-
-def _all(comm: Collectives, parts: list[torch.Tensor], divisor: int) -> Job:
-    """All-reduce each of ``parts`` in one round and divide each by ``divisor``."""
-    parts = [t for t in parts if t.numel()]
-    if parts:
-        yield [comm.all_reduce(t) for t in parts]
-        for t in parts:
-            t.div_(divisor)
 
 
 __all__ = ["DenseExchange", "dense_mean"]
