@@ -87,7 +87,7 @@ LAYERS = [
     ["gradcompress.spec"],
     ["gradcompress.codecs"],
     ["gradcompress.collectives", "gradcompress.params", "gradcompress.topology", "gradcompress.scheme"],
-    ["gradcompress.schedule", "gradcompress.monitor"],
+    ["gradcompress.schedule", "gradcompress.monitor", "gradcompress.timing"],
     ["gradcompress.exchanges", "gradcompress.transforms"],
     ["gradcompress.config", "gradcompress.state"],
     ["gradcompress.session"],

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Sequence
 
 import torch
@@ -57,54 +56,17 @@ from .compressor import Compressor
 from .exchanges.layout import split
 from .scheme import BASELINES, DECOUPLED, ONEBITADAM, Scheme
 from .scheme import parse_scheme as _parse_scheme
+from .timing import (BACKWARD_SHARE, FRAMING_EFFICIENCY, MESSAGE_STEPS, SOFTWARE_ALPHA, BucketWork, Round,
+                     StepTime, format_rate, message_steps, parse_duration, parse_rate, payload_bandwidth,
+                     round_seconds, simulate_step)
 from .topology import Topology
 
 DEFAULT_SCHEMES = ("ddp", "torch-fp16", "torch-powersgd", "none", "fp16", "int8", "int4", "sign",
                    "topk:ratio=0.01", "powersgd:rank=1", "powersgd:rank=4")
-#: TCP/IPv4 (with timestamps) + Ethernet headers: 66 bytes per 1448-byte segment at MTU 1500
-FRAMING_EFFICIENCY = 1448 / 1514
-#: software cost of one message step of a gloo collective over TCP (per alpha term), seconds
-SOFTWARE_ALPHA = 100e-6
-BACKWARD_SHARE = 2 / 3
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 MIN_NUMEL = 1024  # Compressor's default: smaller tensors travel dense
 FLOAT_BYTES = 4
-
-# --------------------------------------------------------------------------- units
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9}
-
-
-def parse_rate(text: str) -> float:
-    """A link rate in bit/s from tc's notation: ``100mbit``, ``1gbit``, ``10Gbit``, ``125mbps`` (bytes/s)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)(?:/s)?\s*", str(text).lower())
-    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"bad rate {text!r}: expected a positive number with a unit (bit, kbit, mbit, gbit; "
-                         "bps, kbps, mbps, gbps are bytes/s), e.g. 100mbit, 1gbit, 10gbit")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-def parse_duration(text: str) -> float:
-    """A duration in seconds: ``1ms``, ``500us``, ``0.2s``, ``0``."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not m or (m.group(2) not in _TIME_UNITS and not (m.group(2) == "" and float(m.group(1)) == 0)):
-        raise ValueError(f"bad duration {text!r}: expected a number with a unit (s, ms, us), e.g. 1ms, or 0")
-    return float(m.group(1)) * _TIME_UNITS.get(m.group(2), 1.0)
-
-
-def format_rate(bit_per_s: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bit_per_s >= scale:
-            return f"{bit_per_s / scale:g} {unit}"
-    return f"{bit_per_s:g} bit/s"
-
-
-def payload_bandwidth(rate_bit: float, efficiency: float = FRAMING_EFFICIENCY) -> float:
-    """Payload bytes per second through a link of ``rate_bit`` bit/s."""
-    return rate_bit / 8 * efficiency
-
 
 # --------------------------------------------------------------------------- collectives
 def allreduce_time(nbytes: float, workers: int, bandwidth: float, alpha: float = 0.0) -> float:
@@ -371,21 +333,6 @@ def wire_bytes(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int,
 
 
 #: message steps of each collective among w ranks (the alpha terms above), by kind
-MESSAGE_STEPS = {"all_reduce": lambda w: 2 * (w - 1), "all_gather": lambda w: w - 1, "all_to_all": lambda w: w - 1,
-                 "all_to_all_v": lambda w: w - 1, "reduce_scatter": lambda w: w - 1}
-
-
-def message_steps(issued: Sequence[Issued]) -> int:
-    """Message steps of a round: its collectives are in flight together, the longest chain counts (a collective
-    of no bytes costs none)."""
-    return max((MESSAGE_STEPS[c.kind](c.world) for c in issued if c.nbytes), default=0)
-
-
-def round_seconds(issued: Sequence[Issued], bandwidth: float, alpha: float) -> float:
-    """A round on a worker's own link: its collectives' bytes over ``bandwidth``, plus ``alpha`` per message step."""
-    return sum(c.sent for c in issued) / bandwidth + alpha * message_steps(issued)
-
-
 # --------------------------------------------------------------------------- nodes
 #: the default link inside a node: NVLink-class, 100 GB/s per direction (800 Gbit/s)
 INTRA_NODE_RATE_BIT = 800e9
@@ -507,23 +454,6 @@ class Speeds:
         return self.decode.get(codec.spec, 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Round:
-    """One round of a bucket's exchange: its collectives' time on the link, then codec work."""
-
-    comm_s: float
-    after_s: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketWork:
-    """A bucket: ready after ``ready`` (0..1) of the backward pass; ``hook_s`` of codec work in the hook."""
-
-    ready: float
-    hook_s: float
-    rounds: tuple[Round, ...]
-
-
 def codec_passes(scheme: Scheme, workers: int, error_feedback: bool = True) -> list[dict]:
     """Codec work per compressible element, by phase: ``[hook, after round 1, after round 2...]``.
 
@@ -609,47 +539,6 @@ def bucket_work(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, b
         out.append(BucketWork(ready=done / total, hook_s=secs[0],
                               rounds=tuple(Round(c, a) for c, a in zip(comm, secs[1:]))))
     return out
-
-
-# --------------------------------------------------------------------------- the step
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    step_s: float
-    forward_s: float
-    backward_s: float
-    codec_s: float  # all codec work (hooks and between rounds)
-    comm_s: float  # all collectives' time on the link
-    exposed_comm_s: float  # step time not explained by compute and codec work
-
-
-def simulate_step(forward_s: float, backward_s: float, buckets: Sequence[BucketWork]) -> StepTime:
-    """Step time of buckets exchanged as described in the module docstring (a pure function)."""
-    link = 0.0  # when the link is free, from the start of the backward pass
-    hooks = 0.0
-    first_done = []
-    for b in buckets:
-        ready = backward_s * b.ready + hooks + b.hook_s
-        hooks += b.hook_s
-        if b.rounds:
-            start = max(ready, link)
-            link = start + b.rounds[0].comm_s
-        first_done.append(link if b.rounds else ready)
-    t = backward_s + hooks  # end of the backward pass: the last hook has run
-    pending = [(b, 0, done) for b, done in zip(buckets, first_done) if b.rounds]
-    while pending:
-        nxt = []
-        for b, k, done in pending:
-            t = max(t, done) + b.rounds[k].after_s
-            if k + 1 < len(b.rounds):
-                start = max(t, link)
-                link = start + b.rounds[k + 1].comm_s
-                nxt.append((b, k + 1, link))
-        pending = nxt
-    codec = hooks + sum(r.after_s for b in buckets for r in b.rounds)
-    comm = sum(r.comm_s for b in buckets for r in b.rounds)
-    step = forward_s + t
-    return StepTime(step_s=step, forward_s=forward_s, backward_s=backward_s, codec_s=codec, comm_s=comm,
-                    exposed_comm_s=max(0.0, step - forward_s - backward_s - codec))
 
 
 @dataclasses.dataclass(frozen=True)
