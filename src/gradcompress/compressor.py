@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .autopilot import Autopilot
 from .collectives import Collectives, LocalCollectives
 from .config import DEFAULTS, Config
 from .exchanges.hierarchical import Hierarchy
@@ -54,15 +55,16 @@ class Compressor:
                  divisor: Callable[[], int] | None = None, slots: dict | None = None):
         given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not _UNSET}
         self.options = Config.parse(spec, given)
-        self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.codec.spec})"  # DDP logs hook names
+        self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.options.name})"  # DDP logs hook names
         self.session = Session(self.options, process_group, divisor)
         self.state = State(slots)
+        self.autopilot = Autopilot(self.options, self.state) if self.options.auto else None  # "auto": chooses plans
         self.telemetry = Telemetry(self.options.error_feedback)
         #: per-key scratch buffers reused every step (the error-fed input), not part of the state
         self.workspace: dict = {}
         self._step: Step | None = None
         self._pending: dict = {}  # a loaded state's world and topology, until compared with the group's
-        if self.codec.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
+        if self.options.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
             from .codecs import fast
 
             fast.prepare()
@@ -119,8 +121,10 @@ class Compressor:
         comm = session.open(collectives)
         self._reconcile_world(comm.world)
         session.resolve()
-        self._reconcile_topology()
-        plan = plan_at(self.options, self.state.step) if plan is None else plan
+        session.check_topology(self._pending.pop("topology", None))
+        if plan is None:
+            auto, i = self.autopilot, self.state.step
+            plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
         self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit)
         return self._step
 
@@ -175,7 +179,8 @@ class Compressor:
         waiting on collectives; ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent
         between nodes / inside a node; ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and
         ``kind``; ``param_bytes``: bytes of FSDP's compressed parameter all-gathers, apart from ``wire_bytes``;
-        ``monitor_bytes`` and ``monitor``: telemetry's (``monitor_every``).
+        ``monitor_bytes`` and ``monitor``: telemetry's (``monitor_every``) and the autopilot's measuring;
+        ``auto`` (``"auto"`` only): the autopilot's decision and measurements (:meth:`Autopilot.stats`).
         """
         inter, intra, monitor = self.session.bytes()
         totals, comm = self.state.totals, self.session.comm
@@ -187,6 +192,7 @@ class Compressor:
             "monitor_bytes": monitor, "monitor": self.telemetry.stats(),
             "inter_node_bytes": inter, "intra_node_bytes": intra, "topology": self.session.topology_stats(),
             "param_bytes": totals["param_bytes"],
+            **({"auto": self.autopilot.stats()} if self.autopilot else {}),
         }
 
     def count_param_bytes(self, sent: int) -> None:
@@ -200,8 +206,9 @@ class Compressor:
         it resumes in. ``topology`` (only when the exchange is hierarchical, ``"NxG intra_node=..."``): loading it
         under another topology is an error. Reads nothing from the group (safe from any thread).
         """
-        session = self.session
+        session, auto = self.session, self.autopilot
         extra = {"topology": session.topology_text()} if session.hierarchy is not None else {}
+        extra.update({"auto": auto.state_dict()} if auto else {})
         world = self._pending.get("world") or session.world()
         return {"config": self.config(), "world": world, **extra, **self.state.state_dict()}
 
@@ -218,23 +225,22 @@ class Compressor:
         if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
             raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")
         self.state.load_state_dict(state)
+        if self.autopilot:
+            self.autopilot.load_state_dict(state.get("auto", {}))
         self._pending.update(world=world, topology=state.get("topology", "flat"))
         if self.session.comm is not None:
             self._reconcile_world(self.session.comm.world)
         if self.session.resolved:
-            self._reconcile_topology()
+            self.session.check_topology(self._pending.pop("topology", None))
 
     def _reconcile_world(self, world: int) -> None:
         saved = self._pending.pop("world", None)
         if saved is not None and self.state.resize(saved, world):
             self.workspace.clear()
 
-    def _reconcile_topology(self) -> None:
-        """A loaded state's topology must be this group's (its state keys are pieces of a G-way cut)."""
-        saved, now = self._pending.pop("topology", None), self.session.topology_text()
-        if saved is not None and saved != now:
-            raise ValueError(f"Compressor.load_state_dict: the state was saved with topology {saved!r}, this "
-                             f"compressor runs {now!r}; resume with the same topology")
+    def explain(self) -> str:
+        """``"auto"``: what the autopilot measured and why each bucket got its codec (else: the codec's spec)."""
+        return self.autopilot.explain() if self.autopilot else f"{self.codec.spec}: chosen by the user"
 
     def config(self) -> str:
         """Every option that changes what is sent or computed, as one line (compared across ranks)."""

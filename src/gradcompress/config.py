@@ -12,10 +12,11 @@ import warnings
 
 import torch
 
+from . import autospec
 from . import topology as topology_mod
 from .codecs.base import Codec
 from .schedule import SCHEDULES
-from .spec import make
+from .spec import make, read
 from .transforms import Clip, ErrorFeedback, MomentumCorrection, Transforms
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,6 +37,35 @@ def _check_bool(name: str, value, auto: bool = False):
         return value
     allowed = "True, False or 'auto'" if auto else "True or False"
     raise ValueError(f"Compressor: {name} must be {allowed}, got {value!r}")
+
+
+def _auto_options(spec, given: dict) -> tuple[autospec.Auto, dict]:
+    """``"auto:bandwidth=...,warmup_steps=..."``: the autopilot's options and the Compressor's."""
+    from .scheme import COMPRESSOR_OPTIONS, compressor_value, merge_compressor_options, unknown_option_message
+
+    opts = read(spec)
+    opts.pop("name")
+    own = {k: opts.pop(k) for k in list(opts) if k in autospec.OPTIONS}
+    unknown = [k for k in opts if k not in COMPRESSOR_OPTIONS]
+    if unknown:
+        raise ValueError(unknown_option_message("auto", unknown[0], list(autospec.OPTIONS), COMPRESSOR_OPTIONS))
+    from_spec = {k: compressor_value(k, v) for k, v in opts.items()}
+    o = {**DEFAULTS, **merge_compressor_options(from_spec, given, spec=spec)}
+    if o["topology"] not in ("auto", "flat") or o["intra_node"] != "none":
+        raise ValueError(f"Compressor: 'auto' chooses among flat exchanges; topology={o['topology']!r}, "
+                         f"intra_node={o['intra_node']!r} are not supported with it (leave them unset, or name a "
+                         "codec to run a hierarchical exchange)")
+    o["topology"] = "flat"
+    if o["error_feedback"] == "auto":  # every lossy candidate is biased; the 16-bit cast's residual is harmless
+        o["error_feedback"] = True
+    return autospec.parse(own), o
+
+
+def is_auto(spec) -> bool:
+    """Whether ``spec`` is the autopilot's (``"auto"``, ``"auto:..."`` or ``{"name": "auto", ...}``)."""
+    if isinstance(spec, str):
+        return spec.strip().partition(":")[0].strip() == "auto"
+    return isinstance(spec, dict) and spec.get("name") == "auto"
 
 
 def _options(spec, given: dict):
@@ -128,11 +158,19 @@ class Config:
     monitor_every: int
     topology: object
     intra_node: str
+    #: the autopilot's options (``"auto"``): the plan is then its decision, ``codec`` is ``none`` (dense)
+    auto: autospec.Auto | None = None
 
     @classmethod
     def parse(cls, spec, given: dict) -> "Config":
         """The configuration of ``Compressor(spec, **given)``; ``ValueError`` for a bad value."""
-        spec, o = _options(spec, given)
+        auto = None
+        if is_auto(spec):
+            auto, o = _auto_options(spec, given)
+            spec = "none"
+        else:
+            spec, o = _options(spec, given)
+        o["auto"] = auto
         codec = make(spec)
         _validate(o)
         if o["error_feedback"] is True and codec.unbiased:
@@ -163,13 +201,23 @@ class Config:
                           ErrorFeedback(dtype) if self.error_feedback else None,
                           ErrorFeedback(dtype) if self.server_error_feedback else None)
 
+    @property
+    def uses_fast_kernels(self) -> bool:
+        """Whether a step may run the C++ kernels (the codec's, or the autopilot's int8/int4 candidates)."""
+        return self.codec.uses_fast_kernels or self.auto is not None
+
+    @property
+    def name(self) -> str:
+        """The codec's spec, or the autopilot's (``auto:...``)."""
+        return self.codec.spec if self.auto is None else self.auto.text()
+
     def text(self) -> str:
         """Every option that changes what is sent or computed, as one line (compared across ranks)."""
-        return (f"{self.codec.spec} error_feedback={self.error_feedback} "
+        return (f"{self.name} error_feedback={self.error_feedback} "
                 f"server_error_feedback={self.server_error_feedback} momentum={self.momentum} "
                 f"warmup_steps={self.warmup_steps} min_numel={self.min_numel} seed={self.seed} "
                 f"schedule={self.schedule} ramp_steps={self.ramp_steps} "
                 f"residual_dtype={str(self.residual_dtype).replace('torch.', '')}")
 
 
-__all__ = ["Config", "DEFAULTS", "RESIDUAL_DTYPES"]
+__all__ = ["Config", "DEFAULTS", "RESIDUAL_DTYPES", "is_auto"]

@@ -166,6 +166,13 @@ class Session:
             return "flat"
         return f"{self.hierarchy.topology.text} intra_node={self.config.intra_node}"
 
+    def check_topology(self, saved: str | None) -> None:
+        """A loaded state's topology (None: none loaded) must be this group's (its keys are pieces of a G-way cut)."""
+        now = self.topology_text()
+        if saved is not None and saved != now:
+            raise ValueError(f"Compressor.load_state_dict: the state was saved with topology {saved!r}, this "
+                             f"compressor runs {now!r}; resume with the same topology")
+
     def topology_stats(self) -> dict:
         nodes = self.nodes
         return {"nodes": len(nodes) if nodes else None, "workers_per_node": len(nodes[0]) if nodes else None,

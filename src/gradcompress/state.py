@@ -72,6 +72,13 @@ class State:
             return None
         return buf
 
+    def forget(self, slots, keys) -> None:
+        """Drop the state of ``keys`` in ``slots`` (a key whose codec changed: PowerSGD's factors start fresh)."""
+        for slot in slots:
+            for key in keys:
+                self.slots[slot].pop(key, None)
+                self.spare.pop((slot, key), None)
+
     def state_dict(self) -> dict:
         out = {"step": self.step}
         for name, values in self.slots.items():

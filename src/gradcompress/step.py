@@ -68,6 +68,9 @@ class Step:
         self.ctx.transforms = config.transforms(self.ctx, self.comm.world)
         self._should_commit = should_commit
         self._launched: list = []
+        #: (keys, shapes, device) of each group :meth:`exchange` was given, in order (the autopilot's buckets)
+        self.seen: list[tuple] = []
+        self.overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
         self.raw_bytes = 0
         self.codec_seconds = 0.0
         self.open = True
@@ -85,6 +88,7 @@ class Step:
         """
         self._require_open()
         keys, tensors = list(keys), list(tensors)
+        self.seen.append((tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:
@@ -125,6 +129,7 @@ class Step:
         """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
         (or ``done(error)`` if the step failed). Returns the launched job."""
         running = Running(job, self)
+        self.overlapped = True
         self._launched.append((running, done))
         return running
 

@@ -1,0 +1,192 @@
+"""The autopilot behind ``Compressor("auto")``: measure, predict, choose per bucket, keep measuring.
+
+Each step's plan (key -> codec) is the autopilot's. The first ``max(warmup_steps, 3)`` steps are dense and
+measured (:mod:`.measure`: the compute time of each step); then, at that step and every ``every`` steps after, on
+every rank at the same step (the committed step count, equal everywhere):
+
+1. each rank measures (the link by probes unless ``bandwidth=`` is given; the compute time; at the first check the
+   codecs' cost on its buckets, :func:`.decide.record`);
+2. every rank's numbers are gathered (one small all-reduce: every rank gets the same table, bit for bit) and
+   combined the same way everywhere: the slowest compute, the slowest link, the costliest codec run;
+3. if no decision was made yet, or the link rate or the compute time moved by more than 25 % since the last one,
+   the plan is chosen again (:func:`.decide.choose`) — the same on every rank, so every rank switches at the same
+   step. A switch is logged (INFO) and counted.
+
+Across a switch, error-feedback residuals carry over (they live in gradient space: a bucket that goes dense keeps its
+residual until it is compressed again); PowerSGD's factors of a bucket whose codec changed start fresh.
+The decision is state: ``Compressor.state_dict()["auto"]`` holds the plan and what it was based on, so a resumed run
+uses the same codecs from its first step. :meth:`Autopilot.explain` says what was measured and why each bucket got
+its codec.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..schedule import Plan
+from ..spec import make
+from ..collectives import LocalCollectives
+from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
+from .decide import Link, choose, predict, record
+from .measure import Meter
+
+log = logging.getLogger("gradcompress.auto")
+#: dense, measured steps before the first decision (at least; ``warmup_steps`` may ask for more)
+MEASURE_STEPS = 3
+#: a change of the link rate or the compute time that makes the autopilot decide again
+MOVED = 0.25
+
+
+class Autopilot:
+    """The plan of each step of a ``Compressor("auto")`` (``config.auto``: its options)."""
+
+    def __init__(self, config, state):
+        self.config, self.options, self._state = config, config.auto, state
+        self.meter = Meter()
+        self.plan = Plan(None)
+        self.chosen: dict = {}  # key -> codec spec ("none": dense), the current decision
+        self.buckets: list | None = None  # (keys, shapes, device) of the last step's groups
+        self.costs: list | None = None  # [bucket][candidate] recorded options
+        self._costs_for: list | None = None  # the buckets' keys they were recorded for
+        self.basis: tuple | None = None  # (compute_s, bandwidth B/s, alpha s) of the last decision
+        self.last: dict = {}  # the last check's numbers and prediction (explain, stats)
+        self.decisions, self.switches, self.decided_at, self.overlap = 0, 0, None, False
+
+    @property
+    def first(self) -> int:
+        return max(self.config.warmup_steps, MEASURE_STEPS)
+
+    def plan_for(self, prev, comm, index: int) -> Plan:
+        """The plan of step ``index`` (``prev``: the previous step, None at the first); at a check step, every rank
+        measures and decides together (collectives on ``comm``)."""
+        self.meter.step_started(comm, prev)
+        if prev is not None and prev.seen:
+            self.buckets, self.overlap = prev.seen, prev.overlapped
+        due = index >= self.first and (index - self.first) % self.options.every == 0
+        if due and self.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
+            start = self.meter.clock()
+            self._check(comm, index)
+            self.meter.excluded += self.meter.clock() - start
+        return self.plan
+
+    # ---------------------------------------------------------------- one check
+    def _check(self, comm, index: int) -> None:
+        keys = [b[0] for b in self.buckets]
+        if self.costs is None or self._costs_for != keys:
+            self.costs, self._costs_for = record(self.config, comm.world, self.buckets, self.options.candidates), keys
+        device = self.buckets[0][2]
+        if self.options.bandwidth is None:
+            grad_bytes = 4 * sum(int(torch.Size(s).numel()) for b in self.buckets for s in b[1])
+            bandwidth, alpha = self.meter.link(comm, grad_bytes, device)
+        else:
+            bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
+        local = [self.meter.compute_s(), bandwidth, alpha] + [o.codec_s for row in self.costs for o in row]
+        table = self._gather(comm, local, device)
+        compute, bandwidth, alpha = table[:, 0].max().item(), table[:, 1].min().item(), table[:, 2].max().item()
+        width = len(self.options.candidates)
+        codec = table[:, 3:].max(0).values.view(-1, width).tolist()
+        self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
+        if self.basis is None or self._moved(compute, bandwidth):
+            self._decide(index, compute, Link(bandwidth, alpha), codec)
+
+    def _gather(self, comm, local: list, device) -> torch.Tensor:
+        """Every rank's ``local`` numbers, rank by rank: the same table on every rank, bit for bit (an all-reduce
+        of rows that are zero but one's; counted as measuring bytes, not ``wire_bytes``)."""
+        table = torch.zeros(comm.world, len(local), dtype=torch.float64, device=device)
+        table[comm.rank] = torch.tensor(local, dtype=torch.float64)
+        before = comm.monitor_bytes
+        comm.all_reduce(table, monitor=True).wait()
+        self.meter.probe_bytes += comm.monitor_bytes - before
+        return table.cpu()
+
+    def _moved(self, compute: float, bandwidth: float) -> bool:
+        c0, b0, _ = self.basis
+        return abs(compute - c0) > MOVED * max(c0, 1e-9) or abs(bandwidth - b0) > MOVED * b0
+
+    def _decide(self, index: int, compute: float, link: Link, codec: list) -> None:
+        sizes = [sum(int(torch.Size(s).numel()) for s in b[1]) for b in self.buckets]
+        choice, predicted, dense = choose(self.costs, sizes, link, compute, self.overlap, codec)
+        self.basis = (compute, link.bandwidth, link.alpha)
+        self.last.update(predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
+        chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b[0]}
+        self.decisions += 1
+        if chosen != self.chosen:
+            if self.decided_at is not None:
+                self.switches += 1
+            self._apply(chosen)
+            log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
+                     "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
+                     format_rate(8 * link.bandwidth), 1e3 * link.alpha, compute)
+        self.decided_at = index
+
+    def _apply(self, chosen: dict) -> None:
+        """Make ``chosen`` (key -> spec) the plan; PowerSGD factors of keys whose codec changed start fresh."""
+        changed = [k for k in set(chosen) | set(self.chosen) if chosen.get(k, "none") != self.chosen.get(k, "none")]
+        self._state.forget(("q", "p"), changed)
+        self._set_plan(chosen)
+
+    def _set_plan(self, chosen: dict) -> None:
+        self.chosen = dict(chosen)
+        codecs = {spec: make(spec) for spec in set(chosen.values())}
+        self.plan = Plan(None, {k: None if codecs[s].exact else codecs[s] for k, s in chosen.items()})
+
+    def _summary(self) -> str:
+        counts: dict = {}
+        for b in self.buckets or []:
+            spec = self.chosen.get(b[0][0], "none") if b[0] else "none"
+            counts[spec] = counts.get(spec, 0) + 1
+        return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())
+
+    # ---------------------------------------------------------------- reporting and checkpoints
+    def stats(self) -> dict:
+        """``stats()["auto"]``: ``plan`` (keys per codec spec, ``none`` = dense), ``decisions`` (choices made),
+        ``switches`` (changes of plan after the first), ``decided_at`` (step), the combined measurements of the last
+        check (``compute_s``, ``bandwidth_bit`` (payload), ``latency_s``), ``predicted_step_s`` and ``dense_step_s``
+        of the last decision, and ``probe_bytes`` (the measuring's own traffic)."""
+        counts: dict = {}
+        for spec in self.chosen.values():
+            counts[spec] = counts.get(spec, 0) + 1
+        last = self.last
+        return {"plan": counts, "decisions": self.decisions, "switches": self.switches, "decided_at": self.decided_at,
+                "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
+                "latency_s": last.get("alpha"), "predicted_step_s": last.get("predicted_s"),
+                "dense_step_s": last.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
+
+    def explain(self) -> str:
+        """What was measured and why each bucket got its codec: per bucket, the predicted step time with each
+        candidate there (the other buckets as chosen)."""
+        last = self.last
+        if "choice" not in last:
+            return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
+                    "after measuring)")
+        lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
+                 f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload, "
+                 f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
+                 f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches"]
+        choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
+        link = Link(self.basis[1], self.basis[2])
+        for b, c in enumerate(choice):
+            times = [predict(choice[:b] + [k] + choice[b + 1:], self.costs, sizes, link, self.basis[0],
+                             self.overlap, last["codec"]) for k in range(len(cands))]
+            alts = ", ".join(f"{'dense' if s == 'none' else s} {t:.4g}" for s, t in zip(cands, times))
+            lines.append(f"  bucket {b} ({sizes[b]} elements): {'dense' if cands[c] == 'none' else cands[c]}; "
+                         f"step s with each: {alts}")
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict:
+        """The decision (``plan``: key -> spec), what it was based on, and the counters (plain values)."""
+        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "decisions": self.decisions,
+                "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._set_plan(dict(state.get("plan", {})))
+        basis = state.get("basis") or ()
+        self.basis = tuple(basis) if len(basis) == 3 else None
+        self.decisions, self.switches = int(state.get("decisions", 0)), int(state.get("switches", 0))
+        decided = int(state.get("decided_at", -1))
+        self.decided_at = None if decided < 0 else decided
+
+
+__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED"]

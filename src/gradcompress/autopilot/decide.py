@@ -1,0 +1,128 @@
+"""The autopilot's decision: for each bucket, the candidate codec that minimises the predicted step time.
+
+**What each candidate costs on a bucket** (:func:`record`): the real exchange of the bucket (the Compressor's own,
+with the autopilot's configuration: error feedback, ``min_numel``) runs once per candidate on
+:class:`~gradcompress.collectives.RecordingCollectives` with gradients of the bucket's shapes: the collectives of
+each round and their bytes are recorded (what ``stats()`` will count), and the time of the run is the codec's cost
+on this device, for these shapes (the calibration; every rank measures it, the slowest counts).
+
+**The step** (:func:`predict`): the cost model's (:func:`gradcompress.timing.simulate_step`): forward (1/3 of the
+compute time), then backward; a bucket is handed over when its share of the backward pass is done (in the order the
+step saw them), its codec work delays the backward pass, its first round overlaps the rest of it, later rounds
+follow; the link carries one collective at a time, ``bytes / B + alpha`` per message step. Without the DDP hook
+(``synchronize``) every bucket is ready at the end of the backward pass.
+
+**The choice** (:func:`choose`): from all-dense, greedily, the single change of one bucket's codec that shortens
+the predicted step most, until none does; compression is kept only if it beats the all-dense step by 2 % (else
+dense: DDP's own all-reduce, nothing but the measuring added).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from ..collectives import Issued, RecordingCollectives
+from ..exchanges.layout import split
+from ..monitor import Telemetry
+from ..schedule import Plan
+from ..session import Session
+from ..spec import make
+from ..state import State
+from ..step import Step
+from ..timing import BACKWARD_SHARE, BucketWork, Round, round_seconds, simulate_step
+
+#: compression must beat dense by this share of the predicted step to be chosen
+MIN_GAIN = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A candidate codec (``spec``, ``"none"``: dense) on a bucket: its recorded rounds and codec seconds."""
+
+    spec: str
+    rounds: tuple[tuple[Issued, ...], ...]
+    codec_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Payload bandwidth (bytes/s) and latency per message step (s)."""
+
+    bandwidth: float
+    alpha: float
+
+
+def _numel(shapes) -> int:
+    return sum(int(torch.Size(s).numel()) for s in shapes)
+
+
+def record(config, world: int, buckets, candidates) -> list[list[Option]]:
+    """``[bucket][candidate]`` :class:`Option` of each candidate spec on each bucket ``(keys, shapes, device)``."""
+    gen = torch.Generator().manual_seed(config.seed)
+    config = dataclasses.replace(config, monitor_every=0)  # the recording is not a monitored step
+    out = []
+    for keys, shapes, device in buckets:
+        flat = torch.randn(_numel(shapes), generator=gen).to(device or "cpu")
+        out.append([_record_one(config, world, list(keys), flat, shapes, spec) for spec in candidates])
+    return out
+
+
+def _record_one(config, world: int, keys: list, flat: torch.Tensor, shapes, spec: str) -> Option:
+    comm = RecordingCollectives(world)
+    session = Session(config)
+    session.open(comm)
+    buffer = flat.clone()
+    codec = make(spec)
+    step = Step(config, session, State(), Telemetry(False), {}, Plan(None if codec.exact else codec))
+    start = time.perf_counter()
+    step.drive([step.exchange(keys, split(buffer, [torch.Size(s) for s in shapes]), buffer)])
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)
+    seconds = time.perf_counter() - start
+    step.end()
+    return Option(spec, tuple(comm.take_rounds()), seconds)
+
+
+def predict(choice, options, sizes, link: Link, compute_s: float, overlap: bool, costs=None) -> float:
+    """Predicted step time with candidate ``choice[b]`` on bucket b (``costs[b][c]``: codec seconds, default the
+    recorded ones)."""
+    total = sum(sizes) or 1
+    done, work = 0, []
+    for b, c in enumerate(choice):
+        done += sizes[b]
+        option = options[b][c]
+        codec_s = option.codec_s if costs is None else costs[b][c]
+        rounds = tuple(Round(round_seconds(r, link.bandwidth, link.alpha)) for r in option.rounds)
+        work.append(BucketWork(ready=done / total if overlap else 1.0, hook_s=codec_s, rounds=rounds))
+    return simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, work).step_s
+
+
+def choose(options, sizes, link: Link, compute_s: float, overlap: bool, costs=None) -> tuple[list[int], float, float]:
+    """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense."""
+    n = len(options)
+
+    def time_of(choice):
+        return predict(choice, options, sizes, link, compute_s, overlap, costs)
+
+    choice = [0] * n
+    dense = best = time_of(choice)
+    while True:
+        move = None
+        for b in range(n):
+            for c in range(len(options[b])):
+                if c != choice[b]:
+                    t = time_of(choice[:b] + [c] + choice[b + 1:])
+                    if t < best * (1 - 1e-3):
+                        best, move = t, (b, c)
+        if move is None:
+            break
+        choice[move[0]] = move[1]
+    if best > dense * (1 - MIN_GAIN):
+        return [0] * n, dense, dense
+    return choice, best, dense
+
+
+__all__ = ["Link", "MIN_GAIN", "Option", "choose", "predict", "record"]

@@ -1,0 +1,67 @@
+"""What the autopilot measures on its own rank: the compute time of a step and the link.
+
+* **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
+  collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
+  hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
+* **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
+  kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/10 of the gradients,
+  between 64 KB and 4 MB: about 1 % of the dense traffic of 20 steps; twice, the fastest kept) gives the payload bandwidth 2(W-1)/W M / (t_M - t_1KB). Their
+  bytes are counted in ``stats()["monitor_bytes"]`` and ``stats()["auto"]["probe_bytes"]``, never in
+  ``wire_bytes``. With ``auto:bandwidth=RATE`` nothing is probed.
+
+Each rank measures its own numbers; the autopilot gathers every rank's before deciding (:mod:`.decide`).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import torch
+
+SMALL_PROBE_FLOATS = 256
+PROBE_BYTES = (64 * 1024, 4 * 1024 * 1024)
+
+
+class Meter:
+    """This rank's measurements. ``clock``: the time source (a test skews one rank's)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.compute: collections.deque = collections.deque(maxlen=8)
+        self.excluded = 0.0  # the autopilot's own time inside the current step
+        self.probe_bytes = 0
+        self._mark: tuple[float, float] | None = None
+
+    def step_started(self, comm, prev) -> None:
+        """A step begins: the previous one's compute time is known (``prev``: that step, None at the first)."""
+        now = self.clock()
+        if self._mark is not None and prev is not None and prev.committed is not None:
+            wall, waited = now - self._mark[0], comm.comm_seconds - self._mark[1]
+            self.compute.append(max(wall - waited - prev.codec_seconds - self.excluded, 0.0))
+        self._mark, self.excluded = (now, comm.comm_seconds), 0.0
+
+    def compute_s(self) -> float:
+        return statistics.median(self.compute) if self.compute else 0.0
+
+    def link(self, comm, grad_bytes: int, device) -> tuple[float, float]:
+        """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together)."""
+        w = comm.world
+        nbytes = min(max(grad_bytes // 10, PROBE_BYTES[0]), PROBE_BYTES[1])
+        small = min(self._time(comm, torch.zeros(SMALL_PROBE_FLOATS, device=device)) for _ in range(3))
+        big = min(self._time(comm, torch.zeros(nbytes // 4, device=device)) for _ in range(2))
+        alpha = small / (2 * (w - 1))
+        return 2 * (w - 1) / w * nbytes / max(big - small, 1e-9), alpha
+
+    def _time(self, comm, t: torch.Tensor) -> float:
+        before = comm.monitor_bytes
+        start = self.clock()
+        comm.all_reduce(t, monitor=True).wait()
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        self.probe_bytes += comm.monitor_bytes - before
+        return self.clock() - start
+
+
+__all__ = ["Meter", "PROBE_BYTES", "SMALL_PROBE_FLOATS"]

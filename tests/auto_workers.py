@@ -1,0 +1,139 @@
+"""Worker functions of tests/test_auto.py (module level: they are pickled into gloo worker processes)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcompress
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def _replicas_equal(model: nn.Module) -> bool:
+    d = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
+    gathered = [torch.zeros_like(d) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, d)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _plan_text(compressor) -> str:
+    return repr(sorted(compressor.autopilot.chosen.items())) if compressor.autopilot else compressor.codec.spec
+
+
+def _same_everywhere(text: str) -> bool:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, text)
+    return all(o == out[0] for o in out)
+
+
+def ddp_train(rank: int, world: int, spec: str, steps: int, options: dict | None = None, skew: float = 1.0,
+              bucket_cap_mb: float = 0.1, change: tuple | None = None) -> dict:
+    """DDP with ``spec`` for ``steps`` steps: the digest of the parameters, the plan at each step, replica
+    equality at each step. ``skew``: this rank's clock runs ``skew`` times as fast (rank 1 only);
+    ``change``: (step, bandwidth) the autopilot's bandwidth hint becomes at that step (a simulated link change)."""
+    model = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
+    comp = gradcompress.register_ddp_hook(model, spec, **(options or {}))
+    if comp.autopilot is not None and rank == 1 and skew != 1.0:
+        comp.autopilot.meter.clock = lambda: skew * time.perf_counter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plans, equal, same = [], [], []
+    for step in range(steps):
+        if change is not None and step == change[0]:
+            import dataclasses
+            comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=change[1])
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        plans.append(_plan_text(comp))
+        equal.append(_replicas_equal(model))
+        same.append(_same_everywhere(plans[-1]))
+    return {"digest": _digest(model), "plans": plans, "equal": equal, "same": same, "stats": comp.stats(),
+            "explain": comp.explain()}
+
+
+def switch(rank: int, world: int, steps: int, at: int, back: int) -> dict:
+    """auto with a fast-link hint, re-checking every 2 steps; the hint drops to 1 Mbit/s at step ``at`` and comes
+    back at ``back``: residuals of the compressed steps are kept unchanged over the dense ones."""
+    import dataclasses
+
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=100gbit,every=2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plans, equal, residuals = [], [], []
+    for step in range(steps):
+        if step in (at, back):
+            rate = 1e6 if step == at else 100e9
+            comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=rate)
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        plans.append(_plan_text(comp))
+        equal.append(_replicas_equal(model))
+        residuals.append({k: v.clone() for k, v in comp.residual.items()})
+    return {"plans": plans, "equal": equal, "residuals": residuals, "stats": comp.stats()["auto"]}
+
+
+def resume(rank: int, world: int, steps: int, split_at: int | None) -> str:
+    """DDP with ``auto:bandwidth=1mbit`` for ``steps`` steps; with ``split_at``, the model, optimizer and compressor
+    are checkpointed there, rebuilt from scratch and loaded (weights_only) before going on. The parameters' digest."""
+    def build():
+        model = DDP(_model(), bucket_cap_mb=0.1)
+        comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=1mbit")
+        return model, comp, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, comp, opt = build()
+    for step in range(steps):
+        if step == split_at:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "comp": comp.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model, comp, opt = build()
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            comp.load_state_dict(saved["comp"])
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _digest(model) + " " + _plan_text(comp)
+
+
+def custom_loop(rank: int, world: int, spec: str, steps: int) -> dict:
+    """``Compressor(spec).synchronize`` in a plain loop (no DDP)."""
+    model = _model()
+    comp = gradcompress.Compressor(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    equal = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        comp.synchronize(model.parameters())
+        opt.step()
+        equal.append(_replicas_equal(model))
+    return {"digest": _digest(model), "plan": _plan_text(comp), "equal": equal, "stats": comp.stats()}

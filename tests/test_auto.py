@@ -1,0 +1,140 @@
+"""``"auto"``: the autopilot (issue #29). Real gloo processes where ranks must agree; the decision itself (record,
+predict, choose) as pure functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import auto_workers
+import gradcompress
+from gradcompress.autopilot.decide import Link, choose, record
+from gradcompress.config import Config
+from gradcompress.testbed import launch
+from gradcompress.timing import payload_bandwidth
+
+SHAPES = [((256, 64), (256,)), ((256, 256), (256,)), ((10, 256), (10,))]  # auto_workers' model, 3 buckets
+
+
+def _buckets():
+    out, key = [], 0
+    for shapes in SHAPES:
+        out.append((tuple(range(key, key + len(shapes))), shapes, torch.device("cpu")))
+        key += len(shapes)
+    return out
+
+
+# ---------------------------------------------------------------------------- options
+@pytest.mark.parametrize("spec, message", [
+    ("auto:budget=tight", "auto: budget must be one of safe, any, got 'tight'"),
+    ("auto:bandwidth=fast", "auto: bandwidth: bad rate 'fast'"),
+    ("auto:every=0", "auto: every must be an integer >= 1, got 0"),
+    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every; Compressor options"),
+    ("auto:topology=2", "'auto' chooses among flat exchanges; topology=2"),
+])
+def test_bad_options_are_one_clear_error(spec, message):
+    with pytest.raises(ValueError) as err:
+        gradcompress.Compressor(spec)
+    assert message in str(err.value)
+
+
+def test_auto_options_in_the_config_text_and_keywords_merge():
+    comp = gradcompress.Compressor("auto:bandwidth=100mbit,budget=any", warmup_steps=5)
+    assert comp.config().startswith("auto:bandwidth=100Mbit/s,budget=any,every=20 error_feedback=True")
+    assert comp.warmup_steps == 5 and comp.autopilot.first == 5
+    with pytest.raises(ValueError, match="warmup_steps is given both in the spec"):
+        gradcompress.Compressor("auto:warmup_steps=2", warmup_steps=5)
+
+
+# ---------------------------------------------------------------------------- the decision (pure)
+def test_record_counts_each_candidates_bytes_as_the_real_step_would():
+    config = Config.parse("auto", {})
+    options = record(config, 4, _buckets(), config.auto.candidates)
+    dense, bf16, int8, int4 = options[1]
+    sent = [sum(c.sent for r in o.rounds for c in r) for o in options[1]]
+    assert sent[0] == 2 * 3 * (256 * 256 + 256) * 4 // 4  # ring all-reduce of the float32 bucket
+    assert sent[0] > sent[1] > sent[2] > sent[3] > 0  # dense > bf16 > int8 > int4
+    assert abs(sent[1] / sent[0] - 0.5) < 0.01
+
+
+def test_choose_dense_on_a_fast_link_and_compresses_on_a_slow_one():
+    config = Config.parse("auto:budget=any", {})
+    buckets = _buckets()
+    options = record(config, 4, buckets, config.auto.candidates)
+    sizes = [sum(torch.Size(s).numel() for s in b[1]) for b in buckets]
+    fast = Link(payload_bandwidth(400e9), 1e-6)
+    choice, predicted, dense = choose(options, sizes, fast, 0.05, overlap=True)
+    assert choice == [0, 0, 0] and predicted == dense
+    slow = Link(payload_bandwidth(1e6), 1e-4)
+    choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=True)
+    assert all(c != 0 for c in choice[:2]) and predicted < 0.5 * dense
+
+
+def test_choose_keeps_within_the_budget():
+    config = Config.parse("auto", {})
+    options = record(config, 4, _buckets(), config.auto.candidates)
+    assert [o.spec for o in options[0]] == ["none", "bf16", "int8", "int4"]
+    sizes = [1, 1, 1]
+    choice, _, _ = choose(options, sizes, Link(payload_bandwidth(1e6), 1e-4), 0.05, overlap=True)
+    assert {options[0][c].spec for c in choice} <= {"none", "bf16", "int8", "int4"}
+
+
+# ---------------------------------------------------------------------------- real processes
+def test_fast_link_is_dense_bit_for_bit():
+    """With a fast link auto sends dense: DDP's own all-reduce, bit for bit the dense Compressor's."""
+    auto = launch.run(auto_workers.ddp_train, 4, "auto:bandwidth=100gbit", 8, timeout=240)
+    dense = launch.run(auto_workers.ddp_train, 4, "none", 8, timeout=240)
+    assert auto[0]["digest"] == dense[0]["digest"]
+    assert all(r["stats"]["auto"]["plan"] == {"none": 6} or r["stats"]["auto"]["plan"] == {} for r in auto)
+    assert auto[0]["stats"]["auto"]["decisions"] == 1 and auto[0]["stats"]["auto"]["probe_bytes"] > 0
+    assert auto[0]["stats"]["wire_bytes"] == dense[0]["stats"]["wire_bytes"]
+
+
+def test_slow_link_compresses_and_replicas_stay_equal():
+    """On a 10 Mbit/s link auto picks int4 for every bucket after its 3 measured dense steps: then it is, bit for bit
+    and byte for byte, ``int4`` with 3 warm-up steps."""
+    results = launch.run(auto_workers.ddp_train, 4, "auto:bandwidth=10mbit", 10, timeout=240)
+    fixed = launch.run(auto_workers.ddp_train, 4, "int4:warmup_steps=3", 10, timeout=240)
+    for r in results:
+        assert all(r["equal"]) and all(r["same"])
+        assert r["plans"][2] == "[]" and set(eval(r["plans"][3])) == {(k, "int4") for k in range(6)}
+    assert results[0]["digest"] == fixed[0]["digest"]
+    assert results[0]["stats"]["wire_bytes"] == fixed[0]["stats"]["wire_bytes"]
+    assert "bucket 0" in results[0]["explain"] and "int4" in results[0]["explain"]
+
+
+def test_ranks_decide_alike_when_their_clocks_disagree():
+    """Rank 1's clock runs 3x fast (its compute and probe times are 3x): every rank still holds the same plan at
+    every step, from the gathered numbers, and the replicas stay equal."""
+    results = launch.run(auto_workers.ddp_train, 4, "auto:every=2", 10, {}, 3.0, timeout=240)
+    for r in results:
+        assert all(r["equal"]) and all(r["same"])
+    assert results[0]["stats"]["auto"]["decisions"] >= 1
+
+
+def test_a_switch_keeps_replicas_equal_and_residuals_carry_over():
+    at, back = 6, 11
+    results = launch.run(auto_workers.switch, 4, 16, at, back, timeout=240)
+    for r in results:
+        plans = r["plans"]
+        assert all(r["equal"])
+        assert plans[at - 1] == "[]" or "'none'" in plans[at - 1]  # dense on the fast link
+        assert "int4" in plans[at + 2] and "int4" not in plans[-1]  # compressed within 2 steps, then dense again
+        assert r["stats"]["switches"] == 2
+        first_dense = next(i for i in range(back, 16) if "int4" not in plans[i])
+        before, after = r["residuals"][first_dense - 1], r["residuals"][-1]
+        assert before and set(before) == set(after)
+        assert all(torch.equal(before[k], after[k]) for k in before)  # kept, unchanged, over the dense steps
+
+
+def test_checkpoint_resume_is_exact():
+    straight = launch.run(auto_workers.resume, 2, 10, None, timeout=240)
+    resumed = launch.run(auto_workers.resume, 2, 10, 6, timeout=240)
+    assert straight == resumed and "int4" in straight[0]
+
+
+def test_custom_loop_synchronize():
+    results = launch.run(auto_workers.custom_loop, 2, "auto:bandwidth=10mbit", 8, timeout=240)
+    for r in results:
+        assert all(r["equal"]) and "int4" in r["plan"]
+        assert r["stats"]["auto"]["decided_at"] == 3
