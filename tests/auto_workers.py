@@ -137,3 +137,27 @@ def custom_loop(rank: int, world: int, spec: str, steps: int) -> dict:
         opt.step()
         equal.append(_replicas_equal(model))
     return {"digest": _digest(model), "plan": _plan_text(comp), "equal": equal, "stats": comp.stats()}
+
+
+def fsdp_train(rank: int, world: int, spec: str, steps: int) -> dict:
+    """FSDP2 (``fully_shard`` per layer) with ``register_fsdp(model, spec)``: the plan, the full parameters' digest
+    (gathered) and the stats."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    comp = gradcompress.register_fsdp(model, spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    full = [p.full_tensor().detach() for p in model.parameters()]
+    h = hashlib.sha256()
+    for t in full:
+        h.update(t.contiguous().numpy().tobytes())
+    return {"digest": h.hexdigest(), "plan": _plan_text(comp), "stats": comp.stats()}

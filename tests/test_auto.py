@@ -10,6 +10,7 @@ import auto_workers
 import gradcompress
 from gradcompress.autopilot.decide import Link, choose, record
 from gradcompress.config import Config
+from gradcompress.step import Seen
 from gradcompress.testbed import launch
 from gradcompress.timing import payload_bandwidth
 
@@ -19,7 +20,7 @@ SHAPES = [((256, 64), (256,)), ((256, 256), (256,)), ((10, 256), (10,))]  # auto
 def _buckets():
     out, key = [], 0
     for shapes in SHAPES:
-        out.append((tuple(range(key, key + len(shapes))), shapes, torch.device("cpu")))
+        out.append(Seen(tuple(range(key, key + len(shapes))), shapes, torch.device("cpu")))
         key += len(shapes)
     return out
 
@@ -138,3 +139,15 @@ def test_custom_loop_synchronize():
     for r in results:
         assert all(r["equal"]) and "int4" in r["plan"]
         assert r["stats"]["auto"]["decided_at"] == 3
+
+
+def test_fsdp_reduce_scatter_decides_per_group():
+    """register_fsdp(model, "auto"): each FSDP group's reduce-scatter is a bucket; on a slow link every group gets
+    int4, then it is bit for bit ``int4`` with 3 warm-up steps; on a fast one, the dense reduce-scatter."""
+    slow = launch.run(auto_workers.fsdp_train, 2, "auto:bandwidth=1mbit", 6, timeout=240)
+    fixed = launch.run(auto_workers.fsdp_train, 2, "int4:warmup_steps=3", 6, timeout=240)
+    assert "int4" in slow[0]["plan"] and "none" not in slow[0]["plan"]
+    assert slow[0]["digest"] == fixed[0]["digest"] == slow[1]["digest"]
+    fast = launch.run(auto_workers.fsdp_train, 2, "auto:bandwidth=100gbit", 6, timeout=240)
+    dense = launch.run(auto_workers.fsdp_train, 2, "none", 6, timeout=240)
+    assert "int4" not in fast[0]["plan"] and fast[0]["digest"] == dense[0]["digest"]

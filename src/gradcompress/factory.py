@@ -34,7 +34,7 @@ from .adapters.ddp import register_ddp_hook
 from .adapters.fsdp import register_fsdp
 from .compressor import Compressor
 from .optim import CompressedAdam, DeMo, DiLoCo
-from .scheme import DECOUPLED, ONEBITADAM, Scheme
+from .scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme
 
 #: Compressor options that do not apply under FSDP (``register_fsdp`` compresses each group's buffer whole and keeps
 #: no telemetry); a runner's options may carry them for DDP
@@ -126,7 +126,8 @@ def _sharded(scheme: Scheme | None, model: nn.Module, run: Run):
     if scheme is not None:
         options = {k: v for k, v in run.options.items()
                    if k not in NOT_FSDP_OPTIONS and not (mesh is not None and k == "topology")}
-        compressor = register_fsdp(model, scheme.codec, mesh=mesh, params=run.params, **options)
+        spec = scheme.text if scheme.kind == AUTO else scheme.codec
+        compressor = register_fsdp(model, spec, mesh=mesh, params=run.params, **options)
     return model, run.optimizer(model.parameters()), compressor
 
 
@@ -163,8 +164,8 @@ def _ddp(scheme: Scheme | None, model: nn.Module, run: Run):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
                                             start_powerSGD_iter=first)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif kind == "ours":
-        compressor = register_ddp_hook(ddp, scheme.codec, **run.options)
+    elif kind in ("ours", AUTO):
+        compressor = register_ddp_hook(ddp, scheme.text if kind == AUTO else scheme.codec, **run.options)
     return ddp, run.optimizer(model.parameters()), compressor
 
 

@@ -34,6 +34,8 @@ from typing import Any, Mapping
 from .spec import make, parse, read
 
 ONEBITADAM = "onebitadam"
+#: ``auto[:bandwidth=..,budget=..,every=..]``: the autopilot chooses the codec of each bucket (:mod:`gradcompress.autopilot`)
+AUTO = "auto"
 #: options a ``onebitadam:key=value,...`` scheme may set (passed to OneBitAdam; numbers); ``sync_every`` and
 #: ``sync_ramp_steps``: local steps after the freeze (0/1 Adam's idea, :class:`gradcompress.optim.CompressedAdam`)
 ONEBITADAM_OPTIONS = ("lr", "warmup_steps", "weight_decay", "eps", "sync_every", "sync_ramp_steps")
@@ -62,7 +64,7 @@ RESIDUAL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 class Scheme:
     """One parsed scheme (see the module docstring); build it with :func:`parse_scheme`.
 
-    ``kind`` is ``"ours"`` (a codec for our Compressor, DiLoCo or CompressedAdam),
+    ``kind`` is ``"ours"`` (a codec for our Compressor, DiLoCo or CompressedAdam), ``"auto"`` (the autopilot),
     ``"onebitadam"``, ``"decoupled"``, ``"ddp"``, ``"torch-fp16"`` or ``"torch-powersgd"``.
     """
 
@@ -138,6 +140,8 @@ def parse_scheme(text: str) -> Scheme:
         return _onebitadam(text)
     if name == DECOUPLED:
         return _decoupled(text)
+    if name == AUTO:  # its options are checked where it runs: Compressor("auto:...")
+        return Scheme(text, AUTO)
     return _ours(text)
 
 
@@ -316,7 +320,7 @@ def merge_compressor_options(from_spec: Mapping[str, Any], keywords: Mapping[str
     return {**from_spec, **keywords}
 
 
-__all__ = ["BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
+__all__ = ["AUTO", "BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
            "SCHEME_COMPRESSOR_OPTIONS", "SCHEME_OPTIONS", "Scheme", "check_diloco", "codec_options",
            "compressor_value", "merge_compressor_options", "parse_scheme", "scheme_name",
            "split_compressor_options", "unknown_option_message"]

@@ -35,7 +35,7 @@ Host synchronisations the algorithm needs (and no others on this path): the fini
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -44,6 +44,19 @@ from .exchanges.context import Context, all_finite, key_number, mix_seed
 from .monitor import StepMonitor
 from .schedule import Plan
 from .state import SLOTS, State
+
+
+class Seen(NamedTuple):
+    """A group of tensors a step averaged (what the autopilot decides for): ``kind`` ``"exchange"`` (``keys``, the
+    tensors' ``shapes``) or ``"reduce_scatter"`` (one key; ``shapes``: the input's, ``out``: the output's shape;
+    ``scale``)."""
+
+    keys: tuple
+    shapes: tuple
+    device: object
+    kind: str = "exchange"
+    out: tuple = ()
+    scale: float = 1.0
 
 
 class Step:
@@ -68,8 +81,8 @@ class Step:
         self.ctx.transforms = config.transforms(self.ctx, self.comm.world)
         self._should_commit = should_commit
         self._launched: list = []
-        #: (keys, shapes, device) of each group :meth:`exchange` was given, in order (the autopilot's buckets)
-        self.seen: list[tuple] = []
+        #: each group of tensors averaged, in order (:class:`Seen`: the autopilot's buckets)
+        self.seen: list[Seen] = []
         self.overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
         self.raw_bytes = 0
         self.codec_seconds = 0.0
@@ -88,7 +101,7 @@ class Step:
         """
         self._require_open()
         keys, tensors = list(keys), list(tensors)
-        self.seen.append((tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
+        self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:
@@ -105,6 +118,7 @@ class Step:
         """A compressed reduce-scatter, as a job (:mod:`gradcompress.exchanges.reduce_scatter`): ``input`` holds
         one chunk per rank; ``output`` receives this rank's chunk of the sum over ranks, times ``scale``."""
         self._require_open()
+        self.seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
         self.raw_bytes += input.numel() * input.element_size()
         return self.session.reduce_scatter(self.plan.codec(key), scale).job(self.ctx, [key], [input], [output])
 
@@ -195,4 +209,4 @@ class Step:
         return bool(self._guard.__exit__(*exc))
 
 
-__all__ = ["SLOTS", "State", "Step", "all_finite", "key_number", "mix_seed"]
+__all__ = ["SLOTS", "Seen", "State", "Step", "all_finite", "key_number", "mix_seed"]

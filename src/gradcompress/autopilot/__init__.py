@@ -73,12 +73,12 @@ class Autopilot:
 
     # ---------------------------------------------------------------- one check
     def _check(self, comm, index: int) -> None:
-        keys = [b[0] for b in self.buckets]
+        keys = [b.keys for b in self.buckets]
         if self.costs is None or self._costs_for != keys:
             self.costs, self._costs_for = record(self.config, comm.world, self.buckets, self.options.candidates), keys
-        device = self.buckets[0][2]
+        device = self.buckets[0].device
         if self.options.bandwidth is None:
-            grad_bytes = 4 * sum(int(torch.Size(s).numel()) for b in self.buckets for s in b[1])
+            grad_bytes = 4 * sum(int(torch.Size(s).numel()) for b in self.buckets for s in b.shapes)
             bandwidth, alpha = self.meter.link(comm, grad_bytes, device)
         else:
             bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
@@ -106,11 +106,11 @@ class Autopilot:
         return abs(compute - c0) > MOVED * max(c0, 1e-9) or abs(bandwidth - b0) > MOVED * b0
 
     def _decide(self, index: int, compute: float, link: Link, codec: list) -> None:
-        sizes = [sum(int(torch.Size(s).numel()) for s in b[1]) for b in self.buckets]
+        sizes = [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
         choice, predicted, dense = choose(self.costs, sizes, link, compute, self.overlap, codec)
         self.basis = (compute, link.bandwidth, link.alpha)
         self.last.update(predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
-        chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b[0]}
+        chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys}
         self.decisions += 1
         if chosen != self.chosen:
             if self.decided_at is not None:
@@ -135,7 +135,7 @@ class Autopilot:
     def _summary(self) -> str:
         counts: dict = {}
         for b in self.buckets or []:
-            spec = self.chosen.get(b[0][0], "none") if b[0] else "none"
+            spec = self.chosen.get(b.keys[0], "none") if b.keys else "none"
             counts[spec] = counts.get(spec, 0) + 1
         return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())
 

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..codecs.base import Aggregation
 from ..collectives import Issued, RecordingCollectives
 from ..exchanges.layout import split
 from ..monitor import Telemetry
@@ -64,13 +65,20 @@ def record(config, world: int, buckets, candidates) -> list[list[Option]]:
     gen = torch.Generator().manual_seed(config.seed)
     config = dataclasses.replace(config, monitor_every=0)  # the recording is not a monitored step
     out = []
-    for keys, shapes, device in buckets:
-        flat = torch.randn(_numel(shapes), generator=gen).to(device or "cpu")
-        out.append([_record_one(config, world, list(keys), flat, shapes, spec) for spec in candidates])
+    for seen in buckets:
+        flat = torch.randn(_numel(seen.shapes), generator=gen).to(seen.device or "cpu")
+        out.append([_record_one(config, world, seen, flat, spec) for spec in candidates])
     return out
 
 
-def _record_one(config, world: int, keys: list, flat: torch.Tensor, shapes, spec: str) -> Option:
+def allowed(spec: str, seen) -> bool:
+    """Whether candidate ``spec`` can carry the group ``seen`` (FSDP's flat reduce-scatter buffers: no PowerSGD)."""
+    return seen.kind != "reduce_scatter" or make(spec).aggregation is not Aggregation.LOWRANK
+
+
+def _record_one(config, world: int, seen, flat: torch.Tensor, spec: str) -> Option:
+    if not allowed(spec, seen):
+        return Option(spec, (), float("inf"))
     comm = RecordingCollectives(world)
     session = Session(config)
     session.open(comm)
@@ -78,7 +86,12 @@ def _record_one(config, world: int, keys: list, flat: torch.Tensor, shapes, spec
     codec = make(spec)
     step = Step(config, session, State(), Telemetry(False), {}, Plan(None if codec.exact else codec))
     start = time.perf_counter()
-    step.drive([step.exchange(keys, split(buffer, [torch.Size(s) for s in shapes]), buffer)])
+    if seen.kind == "reduce_scatter":
+        out = torch.empty(seen.out, device=buffer.device)
+        job = step.reduce_scatter(seen.keys[0], buffer.view(seen.shapes[0]), out, seen.scale)
+    else:
+        job = step.exchange(list(seen.keys), split(buffer, [torch.Size(s) for s in seen.shapes]), buffer)
+    step.drive([job])
     if buffer.is_cuda:
         torch.cuda.synchronize(buffer.device)
     seconds = time.perf_counter() - start
@@ -125,4 +138,4 @@ def choose(options, sizes, link: Link, compute_s: float, overlap: bool, costs=No
     return choice, best, dense
 
 
-__all__ = ["Link", "MIN_GAIN", "Option", "choose", "predict", "record"]
+__all__ = ["Link", "MIN_GAIN", "Option", "allowed", "choose", "predict", "record"]

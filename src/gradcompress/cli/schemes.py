@@ -18,7 +18,7 @@ Under ``--fsdp`` every codec must be one FSDP's reduce-scatter can carry
 
 from __future__ import annotations
 
-from ..scheme import BASELINES, DECOUPLED, ONEBITADAM, Scheme, parse_scheme, scheme_name
+from ..scheme import AUTO, BASELINES, DECOUPLED, ONEBITADAM, Scheme, parse_scheme, scheme_name
 from .common import CLIError, one_line
 
 TRAIN, NETBENCH = "train", "netbench"
@@ -39,7 +39,7 @@ def check(text: str, command: str = TRAIN, *, fsdp: bool = False, diloco: bool =
     why = _refusal(scheme, command, fsdp, diloco)
     if why:
         raise CLIError(one_line(why))
-    if fsdp:
+    if fsdp and scheme.kind != AUTO:
         from ..adapters.fsdp import check_codec
 
         try:
@@ -129,10 +129,12 @@ def _refusal(scheme: Scheme, command: str, fsdp: bool, diloco: bool) -> str | No
         if scheme.diloco and scheme.outer == "sparseloco":
             return (f"{scheme.text}: netbench runs DiLoCo with its Nesterov outer update; outer=sparseloco runs in "
                     "demo and train")
-        if fsdp and scheme.kind != "ours":
+        if fsdp and scheme.kind not in ("ours", AUTO):
             return (f"--fsdp: {scheme.text!r} is a DDP scheme; in FSDP mode the baseline is 'fsdp' and the others "
                     "are gradcompress codec specs")
         return None
+    if scheme.kind == AUTO and diloco:
+        return "--diloco takes a codec for the outer gradient; auto chooses the codec of each step's buckets"
     if scheme.kind == DECOUPLED and (fsdp or diloco):
         return ("--fsdp and --diloco do not apply to decoupled (DeMo averages each worker's unsharded momentum "
                 "components itself, every step)")
@@ -157,6 +159,8 @@ def _validated(scheme: Scheme) -> str:
             from ..optim import DeMo
 
             DeMo([torch.zeros(1, requires_grad=True)], **scheme.demo)  # checks every option's value
+        elif scheme.kind == AUTO:
+            gradcompress.Compressor(scheme.text)
         elif scheme.kind != ONEBITADAM:
             gradcompress.Compressor(scheme.codec, **scheme.compressor)  # checks the Compressor's options too
     except (ValueError, TypeError) as err:

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..factory import Run, build, diloco_options
 from ..optim import DiLoCo
-from ..scheme import DECOUPLED, ONEBITADAM, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme
+from ..scheme import AUTO, DECOUPLED, ONEBITADAM, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme
 from ..scheme import scheme_name  # noqa: F401  (the tests read it here)
 from .common import CLIError
 from .schemes import parse
@@ -104,7 +104,7 @@ class RunConfig:
     def compressor(self):
         """The :class:`gradcompress.Compressor` arguments of this run: (codec, options)."""
         scheme = self.parsed()
-        codec, options = scheme.codec, scheme.compressor
+        codec, options = scheme.text if scheme.kind == AUTO else scheme.codec, scheme.compressor
         options.setdefault("error_feedback", self.error_feedback)
         options.setdefault("min_numel", self.min_numel)
         if self.topology != "auto":
@@ -139,7 +139,7 @@ class RunConfig:
         if self.kind() != "sgd":
             return False
         codec, options = self.compressor()
-        return options.get("momentum", 0) > 0 or (codec.carries_momentum and codec.momentum > 0)
+        return options.get("momentum", 0) > 0 or (not isinstance(codec, str) and codec.carries_momentum and codec.momentum > 0)
 
     def optimizer_momentum(self) -> float:
         return 0.0 if self.momentum_corrected() else self.momentum
