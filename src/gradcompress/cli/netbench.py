@@ -46,6 +46,14 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _change(text: str) -> tuple[int, float]:
+    """``STEP:RATE`` of ``--change``: a timed step (an integer >= 0) and a rate."""
+    step, sep, rate = str(text).partition(":")
+    if not sep or not step.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"--change must be STEP:RATE (e.g. 10:100mbit), got {text!r}")
+    return int(step), _rate(rate)
+
+
 def _duration(text: str) -> float:
     from ..costmodel import parse_duration
 
@@ -110,6 +118,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="FSDP2 mode: the model sharded with fully_shard (every layer and the root); the baseline "
                         "'fsdp' is uncompressed FSDP, codec specs compress its reduce-scatter "
                         "(gradcompress.register_fsdp). Default schemes: " + "; ".join(FSDP_SCHEMES))
+    p.add_argument("--change", type=_change, default=None, metavar="STEP:RATE",
+                   help="reshape every host's uplink to RATE with tc before timed step STEP (a link that drops or "
+                        "recovers mid-run; e.g. 10:100mbit); back to --bandwidth after each scheme")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -143,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                        "run without --latency")
     try:
         result = bench(schemes, hosts, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
-                       args.batch_size, args.threads, args.timeout, args.fsdp, per_node)
+                       args.batch_size, args.threads, args.timeout, args.fsdp, per_node, args.change)
     except TestbedError as err:
         raise CLIError(str(err)) from None
     if args.json:

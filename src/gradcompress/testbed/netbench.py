@@ -51,12 +51,14 @@ import datetime
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 from ..factory import Run, build, one_bucket_mb
-from ..scheme import parse_scheme
+from ..scheme import AUTO, parse_scheme
 from . import hosts, models, netbench_fsdp
+from .netns import tbf_burst_bytes
 
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
@@ -80,7 +82,8 @@ def _diloco_h(text: str) -> int:
 
 # --------------------------------------------------------------------------- the parent
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
-          batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1) -> dict:
+          batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1,
+          change: tuple[int, float] | None = None) -> dict:
     """Build the testbed (``workers`` hosts, ``per_node`` workers on each), run every scheme on every worker, tear
     everything down; the merged result. :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be
     built."""
@@ -90,7 +93,8 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
           f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
           f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
     settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
-                "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0))}
+                "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0)),
+                "change": None if change is None else [change[0], change[1], rate_bit]}
     records = hosts.run_workers(
         workers, settings, module="gradcompress.testbed.netbench", rate_bit=rate_bit, delay_s=latency_s,
         timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
@@ -177,6 +181,8 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
         "buckets": recs[0]["buckets"],
         "error_feedback": recs[0]["error_feedback"],
         "final_loss": recs[0]["loss"],
+        "auto": recs[0].get("auto"),
+        "step_wire_bytes": recs[0].get("step_wire_bytes"),
         **_node_figures(text, recs, shapes, workers, per_node, n),
     }
 
@@ -219,6 +225,8 @@ def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, buck
     if text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):  # FSDP on nodes: no model
         return "fsdp", None
     scheme = cost_scheme(text)
+    if scheme.kind == AUTO:  # decided at run time: what it sent is in stats
+        return AUTO, None
     return scheme.kind, wire_bytes(scheme, shapes, workers, bucket_cap)
 
 
@@ -364,8 +372,8 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     warmup, timed = cfg["warmup"], cfg["steps"]
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
-    record = _timed_steps(cfg["ifname"], step, comp, warmup, timed)
-    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h),
+    record = _timed_steps(cfg["ifname"], step, comp, warmup, timed, cfg.get("change"))
+    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), auto=comp.stats().get("auto") if comp else None,
                   error_feedback=_error_feedback(cfg, text, h, comp),
                   bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
     if cfg["rank"] == 0:
@@ -377,9 +385,16 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     return record
 
 
-def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
+def reshape(ifname: str, rate_bit: float) -> None:
+    """Set this host's uplink (``ifname``'s egress, in the namespace this process runs in) to ``rate_bit``."""
+    subprocess.run(["tc", "qdisc", "change", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
+                    f"{int(rate_bit)}bit", "burst", str(tbf_burst_bytes(rate_bit)), "latency", "100ms"], check=True)
+
+
+def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list | None = None) -> dict:
     """``warmup`` untimed steps, then ``timed`` timed ones: their times, the interface's bytes and the
-    Compressor's counters over them, the last loss."""
+    Compressor's counters over them, the last loss. ``change``: [timed step, rate, the run's rate]: every host's
+    uplink is reshaped to that rate before that step (after a barrier) and back after the last."""
     import torch.distributed as dist
 
     for _ in range(warmup):
@@ -388,23 +403,31 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int) -> dict:
     time.sleep(0.05)  # and the last ACKs too
     tx0 = hosts.read_tx_bytes(ifname)
     st0 = comp.stats() if comp else None
-    step_times = []
+    step_times, step_wire = [], []
     loss = float("nan")
-    for _ in range(timed):
+    for k in range(timed):
+        if change is not None and k == change[0]:
+            dist.barrier()
+            reshape(ifname, change[1])
         start = time.perf_counter()
         loss = step()
         step_times.append(time.perf_counter() - start)
+        if comp is not None:
+            step_wire.append(comp.stats()["wire_bytes"])
     st1 = comp.stats() if comp else None
     # a collective is complete here once its bytes are in the socket buffers, not yet through the shaped
     # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
     dist.barrier()
     time.sleep(0.05)
     tx1 = hosts.read_tx_bytes(ifname)
+    if change is not None:
+        reshape(ifname, change[2])
 
     def delta(key):
         return None if comp is None else st1[key] - st0[key]
 
-    return {"step_seconds": step_times, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
+    step_wire = [b - a for a, b in zip([st0["wire_bytes"]] + step_wire, step_wire)] if comp else None
+    return {"step_seconds": step_times, "step_wire_bytes": step_wire, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
             "inter_node_bytes": delta("inter_node_bytes"), "intra_node_bytes": delta("intra_node_bytes"),
             "param_bytes": delta("param_bytes"),
             "topology": None if comp is None else st1["topology"]["kind"],
@@ -468,7 +491,7 @@ def _error_feedback(cfg: dict, text: str, h: int, comp) -> bool | None:
     from ..costmodel import default_error_feedback
 
     kind = _ddp_kind(cfg, text, h)
-    if kind is None:
+    if kind is None or (comp is not None and comp.autopilot is not None):
         return None if comp is None else comp.error_feedback
     return False if kind == NOSEND else default_error_feedback(parse_scheme(text))
 
