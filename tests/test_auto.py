@@ -174,3 +174,30 @@ def test_link_drop_on_four_hosts_is_followed():
     assert auto["decisions"] >= 2 and auto["decided_at"] >= 5 + 6, auto
     before, after = max(wire[3:6]), max(wire[6 + 5:])
     assert after < 0.5 * before, wire
+
+
+# ---------------------------------------------------------------------------- the CLI
+def test_plan_auto_row_and_refusals(capsys):
+    from gradcompress.cli import main
+
+    assert main(["plan", "--params", "4e6", "--workers", "4", "--bandwidth", "10mbit", "--compute-ms", "50",
+                 "--schemes", "ddp", "--auto", "--json"]) == 0
+    import json
+
+    preds = json.loads(capsys.readouterr().out)["predictions"]
+    auto = preds[-1]
+    assert auto["scheme"].startswith("auto -> int4") and auto["speedup"] > 3  # 10 Mbit/s: int4 everywhere
+    assert auto["wire_bytes"] < preds[0]["wire_bytes"] / 6
+    for argv, message in ((["--schemes", "auto"], "give auto with --auto"),
+                          (["--auto", "auto:budget=x"], "budget must be one of safe, any"),
+                          (["--auto", "int8"], "--auto takes an auto spec")):
+        assert main(["plan", "--params", "1e6", "--workers", "4", "--bandwidth", "1gbit", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_optimizers_refuse_auto():
+    from gradcompress.optim import DiLoCo
+
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="DiLoCo: codec='auto' is not supported"):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=1), sync_every=5, codec="auto")

@@ -578,6 +578,36 @@ def predict(scheme: Scheme, shapes: Sequence[Sequence[int]], workers: int, rate_
                       wire_bytes=wire_bytes(scheme, shapes, workers, bucket_cap), buckets=len(buckets))
 
 
+def predict_auto(spec: str, shapes: Sequence[Sequence[int]], workers: int, rate_bit: float, compute_s: float,
+                 latency_s: float = 0.0, contention: float = 1.0, efficiency: float = FRAMING_EFFICIENCY,
+                 software_alpha: float = SOFTWARE_ALPHA, bucket_cap: int | None = None) -> Prediction:
+    """What ``spec`` (``"auto..."``) would choose on DDP's buckets of ``shapes`` for these numbers, and its predicted
+    step: the autopilot's own decision (:mod:`gradcompress.autopilot.decide`: each candidate's real exchange recorded
+    and timed here, on this machine), given the link and compute instead of measuring them."""
+    from .autopilot.decide import Link, choose, record
+    from .config import Config
+    from .step import Seen
+
+    config = Config.parse(spec, {"warmup_steps": 0})
+    buckets = [Seen(tuple(b), tuple(tuple(shapes[i]) for i in b), torch.device("cpu"))
+               for b in buckets_for(parse_scheme("none"), shapes, bucket_cap)]
+    options = record(config, workers, buckets, config.auto.candidates)
+    costs = [[contention * o.codec_s for o in row] for row in options]
+    link = Link(payload_bandwidth(rate_bit, efficiency), latency_s + software_alpha)
+    sizes = [sum(numel_of(s) for s in b.shapes) for b in buckets]
+    choice, step_s, _ = choose(options, sizes, link, compute_s, True, costs)
+    picked = [options[b][c] for b, c in enumerate(choice)]
+    counts: dict = {}
+    for o in picked:
+        counts[o.spec] = counts.get(o.spec, 0) + 1
+    label = f"{spec} -> " + ", ".join(f"{'dense' if k == 'none' else k} x{n}" for k, n in counts.items())
+    comm = sum(round_seconds(r, link.bandwidth, link.alpha) for o in picked for r in o.rounds)
+    codec = sum(costs[b][c] for b, c in enumerate(choice))
+    return Prediction(scheme=label, step_s=step_s, compute_s=compute_s, codec_s=codec, comm_s=comm,
+                      exposed_comm_s=max(0.0, step_s - compute_s - codec),
+                      wire_bytes=sum(i.sent for o in picked for r in o.rounds for i in r), buckets=len(buckets))
+
+
 def with_speedups(preds: list[Prediction]) -> list[Prediction]:
     """Fill ``speedup`` = step time of ``ddp`` (or, without it, ours ``none``) / the scheme's."""
     base = next((p for p in preds if p.scheme == "ddp"), None) or next((p for p in preds if p.scheme == "none"), None)
@@ -611,5 +641,5 @@ __all__ = ["BASELINES", "DEFAULT_SCHEMES", "BucketWork", "INTRA_NODE_RATE_BIT", 
            "bucket_work", "buckets_for", "codec_passes", "ddp_buckets", "default_error_feedback", "format_rate",
            "gradients", "hierarchical_supported", "hook_job", "message_steps", "node_bucket_work", "node_bytes",
            "node_rounds", "node_uplink_bytes", "parse_duration", "parse_rate", "parse_scheme", "payload_bandwidth",
-           "payload_bytes", "phase_key", "predict", "predict_nodes", "record_step", "round_seconds", "simulate_step",
+           "payload_bytes", "phase_key", "predict", "predict_auto", "predict_nodes", "record_step", "round_seconds", "simulate_step",
            "speed_codec", "square_shapes", "two_step_time", "wire_bytes", "with_speedups"]

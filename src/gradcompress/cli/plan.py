@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from .common import CLIError, _checked, human_bytes, positive_float, positive_int, split_schemes, table_lines
+from .common import CLIError, _checked, human_bytes, one_line, positive_float, positive_int, split_schemes, table_lines
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048
@@ -107,6 +107,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "worker count; otherwise calibrate and write it there")
     p.add_argument("--calibration-numel", type=positive_int, default=CALIBRATION_NUMEL,
                    help=f"elements timed per codec in the calibration (default {CALIBRATION_NUMEL})")
+    p.add_argument("--auto", nargs="?", const="auto", default=None, metavar="SPEC",
+                   help="add what 'auto' (or an auto:... spec, e.g. auto:budget=any) would choose per DDP bucket for "
+                        "these numbers, and its predicted step (the autopilot's own decision)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -284,7 +287,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         shapes = model_shapes(args.model)
         size_text = f"model {args.model} ({sum(cm.numel_of(s) for s in shapes):,} parameters)"
+    if args.auto is not None:
+        _check_auto(args.auto, args.nodes)
     for s in schemes:
+        if s.kind == "auto":
+            raise CLIError("plan: give auto with --auto (e.g. --auto auto:budget=any), not in --schemes")
         if s.kind == "ours" and s.codec.name == "threshold":
             raise CLIError("threshold sends a data-dependent number of values; plan cannot predict it")
     if args.contention is not None and not args.cores:
@@ -307,12 +314,15 @@ def run(args: argparse.Namespace) -> int:
                 raise CLIError(f"cannot write --calibration {args.calibration!r}: {err.strerror or err}") from None
     if args.nodes is not None:
         return _run_nodes(args, schemes, shapes, size_text, speeds, contention)
-    preds = cm.with_speedups([
-        cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
-                   latency_s=args.latency, contention=contention, efficiency=args.efficiency,
-                   software_alpha=args.per_message_us / 1e6,
-                   host_limit=None if args.host_limit is None else args.host_limit / 8)
-        for s in schemes])
+    preds = [cm.predict(s, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
+                        latency_s=args.latency, contention=contention, efficiency=args.efficiency,
+                        software_alpha=args.per_message_us / 1e6,
+                        host_limit=None if args.host_limit is None else args.host_limit / 8)
+             for s in schemes]
+    if args.auto is not None:
+        preds.append(cm.predict_auto(args.auto, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3,
+                                     args.latency, contention, args.efficiency, args.per_message_us / 1e6))
+    preds = cm.with_speedups(preds)
     result = {
         "workers": args.workers, "bandwidth_bit": args.bandwidth, "latency_s": args.latency,
         "compute_s": args.compute_ms / 1e3, "params": sum(cm.numel_of(s) for s in shapes), "size": size_text,
@@ -324,6 +334,20 @@ def run(args: argparse.Namespace) -> int:
         "predictions": [dataclasses.asdict(p) for p in preds],
     }
     return emit(result, args.json, format_table)
+
+
+def _check_auto(spec: str, nodes) -> None:
+    """``CLIError`` (one line) for an ``--auto`` value that is not an auto spec, or a bad one."""
+    from ..config import Config, is_auto
+
+    if not is_auto(spec):
+        raise CLIError(f"--auto takes an auto spec (auto, auto:budget=any, ...), got {spec!r}")
+    if nodes is not None:
+        raise CLIError("--auto predicts flat exchanges; it does not combine with --nodes")
+    try:
+        Config.parse(spec, {})
+    except ValueError as err:
+        raise CLIError(one_line(err)) from None
 
 
 def _check_layout(args: argparse.Namespace) -> None:

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
+from ..config import is_auto
 from ..session import default_group
 from ..scheme import DILOCO_OUTERS, split_compressor_options
 from ..spec import make
@@ -170,6 +171,10 @@ class DiLoCo:
         self.params = _params_of(model_or_params)
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
+        if is_auto(codec):
+            raise ValueError("DiLoCo: codec='auto' is not supported: the autopilot decides each step's codec from "
+                             "the step's own link and compute measurements, and DiLoCo syncs once every sync_every "
+                             "steps; name a codec (e.g. 'int4')")
         if sparse:
             self.compressor = _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology,
                                                      process_group, seed)
