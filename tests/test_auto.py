@@ -8,7 +8,7 @@ import torch
 
 import auto_workers
 import gradcompress
-from gradcompress.autopilot.decide import Link, choose, record
+from gradcompress.autopilot.decide import Link, choose, fit_link, predict, record
 from gradcompress.config import Config
 from gradcompress.step import Seen
 from gradcompress.testbed import launch
@@ -69,6 +69,22 @@ def test_choose_dense_on_a_fast_link_and_compresses_on_a_slow_one():
     slow = Link(payload_bandwidth(1e6), 1e-4)
     choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=True)
     assert all(c != 0 for c in choice[:2]) and predicted < 0.5 * dense
+
+
+def test_fit_link_matches_the_measured_dense_step():
+    """The share of the probed bandwidth that makes the predicted dense step take the measured time; 1 when the
+    prediction is not shorter than the measurement."""
+    config = Config.parse("auto", {})
+    buckets = _buckets()
+    options = record(config, 4, buckets, config.auto.candidates)
+    sizes = [sum(torch.Size(s).numel() for s in b.shapes) for b in buckets]
+    link = Link(payload_bandwidth(1e9), 1e-4)
+    dense = predict([0, 0, 0], options, sizes, link, 0.01, True)
+    share = fit_link(options, sizes, link, 0.01, True, None, 2 * dense)
+    assert 0 < share < 1
+    assert abs(predict([0, 0, 0], options, sizes, Link(share * link.bandwidth, 1e-4), 0.01, True) / (2 * dense) - 1) < 1e-3
+    assert fit_link(options, sizes, link, 0.01, True, None, 0.5 * dense) == 1.0
+    assert fit_link(options, sizes, link, 0.01, True, None, 0.0) == 1.0
 
 
 def test_choose_keeps_within_the_budget():

@@ -68,6 +68,11 @@ class Plan:
     def codec(self, key) -> Codec | None:
         return self.per_key.get(key, self.default)
 
+    @property
+    def dense(self) -> bool:
+        """Every key travels dense."""
+        return self.default is None and all(c is None for c in self.per_key.values())
+
     def groups(self, keys) -> list[tuple[Codec | None, list[int]]]:
         """[(codec, positions in ``keys``)], one entry per distinct codec."""
         if not self.per_key:

@@ -29,7 +29,7 @@ from ..schedule import Plan
 from ..spec import make
 from ..collectives import LocalCollectives
 from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
-from .decide import Link, choose, predict, record
+from .decide import Link, choose, fit_link, predict, record
 from .measure import Meter
 
 log = logging.getLogger("gradcompress.auto")
@@ -50,7 +50,8 @@ class Autopilot:
         self.buckets: list | None = None  # (keys, shapes, device) of the last step's groups
         self.costs: list | None = None  # [bucket][candidate] recorded options
         self._costs_for: list | None = None  # the buckets' keys they were recorded for
-        self.basis: tuple | None = None  # (compute_s, bandwidth B/s, alpha s) of the last decision
+        self.basis: tuple | None = None  # (compute_s, bandwidth B/s in the step, alpha s) of the last decision
+        self.share = 1.0  # the share of the probed bandwidth the step's collectives get (:func:`.decide.fit_link`)
         self.last: dict = {}  # the last check's numbers and prediction (explain, stats)
         self.decisions, self.switches, self.decided_at, self.overlap = 0, 0, None, False
 
@@ -82,14 +83,19 @@ class Autopilot:
             bandwidth, alpha = self.meter.link(comm, grad_bytes, device)
         else:
             bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
-        local = [self.meter.compute_s(), bandwidth, alpha] + [o.codec_s for row in self.costs for o in row]
-        table = self._gather(comm, local, device)
-        compute, bandwidth, alpha = table[:, 0].max().item(), table[:, 1].min().item(), table[:, 2].max().item()
-        width = len(self.options.candidates)
-        codec = table[:, 3:].max(0).values.view(-1, width).tolist()
-        self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
-        if self.basis is None or self._moved(compute, bandwidth):
-            self._decide(index, compute, Link(bandwidth, alpha), codec)
+        local = [self.meter.compute_s(), bandwidth, alpha, self.meter.dense_step_s()]
+        table = self._gather(comm, local + [o.codec_s for row in self.costs for o in row], device)
+        compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
+        alpha, dense_step = table[:, 2].max().item(), table[:, 3].max().item()
+        codec = table[:, 4:].max(0).values.view(-1, len(self.options.candidates)).tolist()
+        share = self.share
+        if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the link as the step saw it
+            share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute, self.overlap, codec,
+                             dense_step)
+        self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec, share=share)
+        if self.basis is None or self._moved(compute, bandwidth, share):
+            self.share = share
+            self._decide(index, compute, Link(share * bandwidth, alpha), codec)
 
     def _gather(self, comm, local: list, device) -> torch.Tensor:
         """Every rank's ``local`` numbers, rank by rank: the same table on every rank, bit for bit (an all-reduce
@@ -101,12 +107,16 @@ class Autopilot:
         self.meter.probe_bytes += comm.monitor_bytes - before
         return table.cpu()
 
-    def _moved(self, compute: float, bandwidth: float) -> bool:
-        c0, b0, _ = self.basis
-        return abs(compute - c0) > MOVED * max(c0, 1e-9) or abs(bandwidth - b0) > MOVED * b0
+    def _moved(self, compute: float, bandwidth: float, share: float) -> bool:
+        c0, b0, s0 = self.basis[0], self.basis[1] / self.share, self.share
+        return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0), (share, s0)))
+
+    def _sizes(self) -> list[int]:
+        return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
     def _decide(self, index: int, compute: float, link: Link, codec: list) -> None:
-        sizes = [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
+        """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed."""
+        sizes = self._sizes()
         choice, predicted, dense = choose(self.costs, sizes, link, compute, self.overlap, codec)
         self.basis = (compute, link.bandwidth, link.alpha)
         self.last.update(predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
@@ -143,7 +153,8 @@ class Autopilot:
     def stats(self) -> dict:
         """``stats()["auto"]``: ``plan`` (keys per codec spec, ``none`` = dense), ``decisions`` (choices made),
         ``switches`` (changes of plan after the first), ``decided_at`` (step), the combined measurements of the last
-        check (``compute_s``, ``bandwidth_bit`` (payload), ``latency_s``), ``predicted_step_s`` and ``dense_step_s``
+        check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``link_share`` (the share of the
+        probed bandwidth the step's own collectives got, fitted on dense steps), ``predicted_step_s`` and ``dense_step_s``
         of the last decision, and ``probe_bytes`` (the measuring's own traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
@@ -151,7 +162,7 @@ class Autopilot:
         last = self.last
         return {"plan": counts, "decisions": self.decisions, "switches": self.switches, "decided_at": self.decided_at,
                 "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
-                "latency_s": last.get("alpha"), "predicted_step_s": last.get("predicted_s"),
+                "latency_s": last.get("alpha"), "link_share": self.share, "predicted_step_s": last.get("predicted_s"),
                 "dense_step_s": last.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
@@ -162,7 +173,8 @@ class Autopilot:
             return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
                     "after measuring)")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
-                 f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload, "
+                 f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload "
+                 f"(in the step: x{self.share:.3g}), "
                  f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
                  f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches"]
         choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
@@ -177,13 +189,15 @@ class Autopilot:
 
     def state_dict(self) -> dict:
         """The decision (``plan``: key -> spec), what it was based on, and the counters (plain values)."""
-        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "decisions": self.decisions,
+        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "share": self.share,
+                "decisions": self.decisions,
                 "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
 
     def load_state_dict(self, state: dict) -> None:
         self._set_plan(dict(state.get("plan", {})))
         basis = state.get("basis") or ()
         self.basis = tuple(basis) if len(basis) == 3 else None
+        self.share = float(state.get("share", 1.0))
         self.decisions, self.switches = int(state.get("decisions", 0)), int(state.get("switches", 0))
         decided = int(state.get("decided_at", -1))
         self.decided_at = None if decided < 0 else decided

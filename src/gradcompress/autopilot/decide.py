@@ -12,6 +12,10 @@ step saw them), its codec work delays the backward pass, its first round overlap
 follow; the link carries one collective at a time, ``bytes / B + alpha`` per message step. Without the DDP hook
 (``synchronize``) every bucket is ready at the end of the backward pass.
 
+**The link in the step** (:func:`fit_link`): the probes time collectives alone; in the step they share the CPU
+with the backward pass. The time of the dense steps (the measuring steps, and any later all-dense step) is the
+in-step probe: the probed bandwidth is scaled by the factor that makes the predicted dense step take that long.
+
 **The choice** (:func:`choose`): from all-dense, greedily, the single change of one bucket's codec that shortens
 the predicted step most, until none does; compression is kept only if it beats the all-dense step by 2 % (else
 dense: DDP's own all-reduce, nothing but the measuring added).
@@ -118,6 +122,25 @@ def predict(choice, options, sizes, link: Link, compute_s: float, overlap: bool,
     return simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, work).step_s
 
 
+def fit_link(options, sizes, link: Link, compute_s: float, overlap: bool, costs, dense_step_s: float) -> float:
+    """The share of the probed bandwidth the step's own dense exchange got: the factor f <= 1 for which the predicted
+    all-dense step at ``f * link.bandwidth`` takes the measured ``dense_step_s`` (1 when the prediction is not
+    shorter than the measurement). What the probes miss: the CPU the collectives share with the backward pass,
+    and a link that other traffic shares."""
+    dense = [0] * len(options)
+
+    def time_at(f: float) -> float:
+        return predict(dense, options, sizes, Link(f * link.bandwidth, link.alpha), compute_s, overlap, costs)
+
+    if dense_step_s <= 0 or time_at(1.0) >= dense_step_s:
+        return 1.0
+    lo, hi = 1e-3, 1.0  # time_at(lo) >= dense_step_s > time_at(hi), or lo is as slow as it may get
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if time_at(mid) >= dense_step_s else (lo, mid)
+    return hi
+
+
 def choose(options, sizes, link: Link, compute_s: float, overlap: bool, costs=None) -> tuple[list[int], float, float]:
     """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense."""
     n = len(options)
@@ -143,4 +166,4 @@ def choose(options, sizes, link: Link, compute_s: float, overlap: bool, costs=No
     return choice, best, dense
 
 
-__all__ = ["Link", "MIN_GAIN", "Option", "allowed", "choose", "predict", "record"]
+__all__ = ["Link", "MIN_GAIN", "Option", "allowed", "choose", "fit_link", "predict", "record"]

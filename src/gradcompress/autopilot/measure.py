@@ -3,6 +3,7 @@
 * **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
   collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
+  The whole time of dense steps is kept too: the in-step probe of the link (:mod:`.decide`, :func:`.decide.fit_link`).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/10 of the gradients,
   between 64 KB and 4 MB: about 1 % of the dense traffic of 20 steps; twice, the fastest kept) gives the payload bandwidth 2(W-1)/W M / (t_M - t_1KB). Their
@@ -30,6 +31,7 @@ class Meter:
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.compute: collections.deque = collections.deque(maxlen=8)
+        self.dense_wall: collections.deque = collections.deque(maxlen=8)  # whole dense steps (the link's in-step probe)
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
         self._mark: tuple[float, float] | None = None
@@ -38,12 +40,20 @@ class Meter:
         """A step begins: the previous one's compute time is known (``prev``: that step, None at the first)."""
         now = self.clock()
         if self._mark is not None and prev is not None and prev.committed is not None:
-            wall, waited = now - self._mark[0], comm.comm_seconds - self._mark[1]
-            self.compute.append(max(wall - waited - prev.codec_seconds - self.excluded, 0.0))
+            wall, waited = now - self._mark[0] - self.excluded, comm.comm_seconds - self._mark[1]
+            self.compute.append(max(wall - waited - prev.codec_seconds, 0.0))
+            if prev.plan.dense:
+                self.dense_wall.append(wall)
+            else:  # the dense steps' times describe the link as it was then
+                self.dense_wall.clear()
         self._mark, self.excluded = (now, comm.comm_seconds), 0.0
 
     def compute_s(self) -> float:
         return statistics.median(self.compute) if self.compute else 0.0
+
+    def dense_step_s(self) -> float:
+        """The median time of the last dense steps (0: none seen)."""
+        return statistics.median(self.dense_wall) if self.dense_wall else 0.0
 
     def link(self, comm, grad_bytes: int, device) -> tuple[float, float]:
         """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together)."""
