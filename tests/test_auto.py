@@ -217,3 +217,25 @@ def test_optimizers_refuse_auto():
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="DiLoCo: codec='auto' is not supported"):
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=1), sync_every=5, codec="auto")
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_here():
+    """benchmarks/gpu_check.py, the GPU check, runs on this CPU machine up to its CUDA calls (--quick sizes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_check.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    sections = {}
+    for line in done.stdout.splitlines():
+        sections.update(json.loads(line))
+    assert all(isinstance(v, float) and v > 0 for v in sections["codec_throughput_GBps"].values())
+    assert set(sections["auto_calibration"]["codec_ms"]) == set(gradcompress.config.autospec.BUDGETS["any"])
+    assert sections["replicas_equal_every_step"] is True
+    assert [r["steps"] for r in sections["ddp_gloo_world2"]] == [6, 6]

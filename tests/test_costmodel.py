@@ -414,7 +414,7 @@ TIMEOUT = 300
 STEPS = 3
 #: the demo's schemes (onebitadam is an optimizer exchanging its own momentum: the model has no model of it, see
 #: test_onebitadam_has_no_model), the cost model's own and the node testbed's codecs
-OURS = sorted({t for t in DEMO_SCHEMES if t != "onebitadam"}
+OURS = sorted({t for t in DEMO_SCHEMES if t not in ("onebitadam", "auto")}
               | {t for t in cm.DEFAULT_SCHEMES if cm.parse_scheme(t).kind == "ours"}
               | {t for t in NODE_SCHEMES if "topology" not in t and t not in (*cm.BASELINES, NOSEND)})
 BASELINE_KINDS = [t for t in cm.DEFAULT_SCHEMES if cm.parse_scheme(t).kind != "ours"]

@@ -57,6 +57,7 @@ from .task import TASK_NAMES, TASKS, RunConfig, demo_worker, summarize
 
 DEFAULT_SCHEMES = (
     "none",
+    "auto",
     "fp16",
     "int8",
     "int4",
@@ -86,7 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "accuracy. Writes results.json and report.png into --out. Defaults took 140 s on 2 CPU "
                     "cores shared with other jobs (README).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs), 'onebitadam' or 'decoupled' "
+        epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs), 'auto' (the autopilot chooses per bucket), 'onebitadam' or 'decoupled' "
                "(DeMo). A spec "
                "contains commas, so separate schemes with ';' or repeat the option:\n"
                "  gradcompress demo --schemes 'none;topk:ratio=0.01,values=int8'\n"

@@ -182,6 +182,7 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
         "error_feedback": recs[0]["error_feedback"],
         "final_loss": recs[0]["loss"],
         "auto": recs[0].get("auto"),
+        "explain": recs[0].get("explain"),
         "step_wire_bytes": recs[0].get("step_wire_bytes"),
         **_node_figures(text, recs, shapes, workers, per_node, n),
     }
@@ -374,6 +375,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
         warmup, timed = h, h * -(-timed // h)
     record = _timed_steps(cfg["ifname"], step, comp, warmup, timed, cfg.get("change"))
     record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), auto=comp.stats().get("auto") if comp else None,
+                  explain=comp.explain() if comp is not None and comp.autopilot is not None else None,
                   error_feedback=_error_feedback(cfg, text, h, comp),
                   bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
     if cfg["rank"] == 0:
