@@ -79,8 +79,7 @@ class Autopilot:
             self.costs, self._costs_for = record(self.config, comm.world, self.buckets, self.options.candidates), keys
         device = self.buckets[0].device
         if self.options.bandwidth is None:
-            grad_bytes = 4 * sum(int(torch.Size(s).numel()) for b in self.buckets for s in b.shapes)
-            bandwidth, alpha = self.meter.link(comm, grad_bytes, device)
+            bandwidth, alpha = self.meter.link(comm, self._traffic() * self.options.every, device)
         else:
             bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
         local = [self.meter.compute_s(), bandwidth, alpha, self.meter.dense_step_s()]
@@ -110,6 +109,12 @@ class Autopilot:
     def _moved(self, compute: float, bandwidth: float, share: float) -> bool:
         c0, b0, s0 = self.basis[0], self.basis[1] / self.share, self.share
         return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0), (share, s0)))
+
+    def _traffic(self) -> int:
+        """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
+        index = {spec: i for i, spec in enumerate(self.options.candidates)}
+        return sum(sum(c.sent for r in row[index[self.chosen.get(b.keys[0], "none")] if b.keys else 0].rounds
+                       for c in r) for b, row in zip(self.buckets, self.costs))
 
     def _sizes(self) -> list[int]:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]

@@ -5,8 +5,9 @@
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
   The whole time of dense steps is kept too: the in-step probe of the link (:mod:`.decide`, :func:`.decide.fit_link`).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
-  kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/10 of the gradients,
-  between 64 KB and 4 MB: about 1 % of the dense traffic of 20 steps; twice, the fastest kept) gives the payload bandwidth 2(W-1)/W M / (t_M - t_1KB). Their
+  kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
+  plan sends between two checks, between 64 KB and 4 MB: about 1 % more bytes; twice, the fastest kept) gives the
+  payload bandwidth 2(W-1)/W M / (t_M - t_1KB). Their
   bytes are counted in ``stats()["monitor_bytes"]`` and ``stats()["auto"]["probe_bytes"]``, never in
   ``wire_bytes``. With ``auto:bandwidth=RATE`` nothing is probed.
 
@@ -23,6 +24,8 @@ import torch
 
 SMALL_PROBE_FLOATS = 256
 PROBE_BYTES = (64 * 1024, 4 * 1024 * 1024)
+#: the big probe is 1/300 of the traffic between two checks: its two all-reduces send 2 x 2(W-1)/W of it, ~1 %
+PROBE_SHARE = 300
 
 
 class Meter:
@@ -55,10 +58,11 @@ class Meter:
         """The median time of the last dense steps (0: none seen)."""
         return statistics.median(self.dense_wall) if self.dense_wall else 0.0
 
-    def link(self, comm, grad_bytes: int, device) -> tuple[float, float]:
-        """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together)."""
+    def link(self, comm, traffic: int, device) -> tuple[float, float]:
+        """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together, with the
+        same ``traffic``: the bytes the plan sends between two checks; the probes send about 1 % of it)."""
         w = comm.world
-        nbytes = min(max(grad_bytes // 10, PROBE_BYTES[0]), PROBE_BYTES[1])
+        nbytes = 4 * (min(max(traffic // PROBE_SHARE, PROBE_BYTES[0]), PROBE_BYTES[1]) // 4)
         small = min(self._time(comm, torch.zeros(SMALL_PROBE_FLOATS, device=device)) for _ in range(3))
         big = min(self._time(comm, torch.zeros(nbytes // 4, device=device)) for _ in range(2))
         alpha = small / (2 * (w - 1))
