@@ -72,7 +72,7 @@ def auto_calibration(device, side: int) -> dict:
     options = record(config, 4, buckets, config.auto.candidates)
     out = {"bucket": [side, side], "codec_ms": {o.spec: 1e3 * o.codec_s for o in options[0]}}
     for rate in (1e9, 10e9, 100e9):
-        choice, step_s, dense_s = choose(options, [side * side], Link(payload_bandwidth(rate), 1e-5), 0.05, True)
+        choice, step_s, dense_s = choose(options, [side * side], Link(payload_bandwidth(rate), 1e-5), 0.05, 1.0)
         out[f"choice_at_{rate / 1e9:g}gbit"] = {"codec": options[0][choice[0]].spec, "step_s": step_s,
                                                 "dense_s": dense_s}
     return out

@@ -64,27 +64,34 @@ def test_choose_dense_on_a_fast_link_and_compresses_on_a_slow_one():
     options = record(config, 4, buckets, config.auto.candidates)
     sizes = [sum(torch.Size(s).numel() for s in b[1]) for b in buckets]
     fast = Link(payload_bandwidth(400e9), 1e-6)
-    choice, predicted, dense = choose(options, sizes, fast, 0.05, overlap=True)
+    choice, predicted, dense = choose(options, sizes, fast, 0.05, overlap=1.0)
     assert choice == [0, 0, 0] and predicted == dense
     slow = Link(payload_bandwidth(1e6), 1e-4)
-    choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=True)
+    choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=1.0)
     assert all(c != 0 for c in choice[:2]) and predicted < 0.5 * dense
 
 
 def test_fit_link_matches_the_measured_dense_step():
-    """The share of the probed bandwidth that makes the predicted dense step take the measured time; 1 when the
-    prediction is not shorter than the measurement."""
+    """Dense steps slower than predicted: first less overlap with the backward pass, then a share of the probed
+    bandwidth, each making the predicted dense step take the measured time; nothing when the prediction is not
+    shorter than the measurement."""
     config = Config.parse("auto", {})
     buckets = _buckets()
     options = record(config, 4, buckets, config.auto.candidates)
     sizes = [sum(torch.Size(s).numel() for s in b.shapes) for b in buckets]
     link = Link(payload_bandwidth(1e9), 1e-4)
-    dense = predict([0, 0, 0], options, sizes, link, 0.01, True)
-    share = fit_link(options, sizes, link, 0.01, True, None, 2 * dense)
-    assert 0 < share < 1
-    assert abs(predict([0, 0, 0], options, sizes, Link(share * link.bandwidth, 1e-4), 0.01, True) / (2 * dense) - 1) < 1e-3
-    assert fit_link(options, sizes, link, 0.01, True, None, 0.5 * dense) == 1.0
-    assert fit_link(options, sizes, link, 0.01, True, None, 0.0) == 1.0
+
+    def dense(o, share=1.0):
+        return predict([0, 0, 0], options, sizes, Link(share * link.bandwidth, 1e-4), 0.01, o)
+
+    full, serial = dense(1.0), dense(0.0)
+    assert serial > full
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, (full + serial) / 2)
+    assert 0 < overlap < 1 and share == 1.0 and abs(dense(overlap) / ((full + serial) / 2) - 1) < 1e-3
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, 2 * serial)
+    assert overlap == 0.0 and 0 < share < 1 and abs(dense(0.0, share) / (2 * serial) - 1) < 1e-3
+    assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.5 * full) == (1.0, 1.0)
+    assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.0) == (1.0, 1.0)
 
 
 def test_choose_keeps_within_the_budget():
@@ -92,7 +99,7 @@ def test_choose_keeps_within_the_budget():
     options = record(config, 4, _buckets(), config.auto.candidates)
     assert [o.spec for o in options[0]] == ["none", "bf16", "int8", "int4"]
     sizes = [1, 1, 1]
-    choice, _, _ = choose(options, sizes, Link(payload_bandwidth(1e6), 1e-4), 0.05, overlap=True)
+    choice, _, _ = choose(options, sizes, Link(payload_bandwidth(1e6), 1e-4), 0.05, overlap=1.0)
     assert {options[0][c].spec for c in choice} <= {"none", "bf16", "int8", "int4"}
 
 

@@ -595,7 +595,7 @@ def predict_auto(spec: str, shapes: Sequence[Sequence[int]], workers: int, rate_
     costs = [[contention * o.codec_s for o in row] for row in options]
     link = Link(payload_bandwidth(rate_bit, efficiency), latency_s + software_alpha)
     sizes = [sum(numel_of(s) for s in b.shapes) for b in buckets]
-    choice, step_s, _ = choose(options, sizes, link, compute_s, True, costs)
+    choice, step_s, _ = choose(options, sizes, link, compute_s, 1.0, costs)
     picked = [options[b][c] for b, c in enumerate(choice)]
     counts: dict = {}
     for o in picked:

@@ -51,9 +51,11 @@ class Autopilot:
         self.costs: list | None = None  # [bucket][candidate] recorded options
         self._costs_for: list | None = None  # the buckets' keys they were recorded for
         self.basis: tuple | None = None  # (compute_s, bandwidth B/s in the step, alpha s) of the last decision
-        self.share = 1.0  # the share of the probed bandwidth the step's collectives get (:func:`.decide.fit_link`)
+        #: (overlap with the backward pass, share of the probed bandwidth) as the dense steps went (:func:`.decide.fit_link`)
+        self.fitted = (1.0, 1.0)
         self.last: dict = {}  # the last check's numbers and prediction (explain, stats)
-        self.decisions, self.switches, self.decided_at, self.overlap = 0, 0, None, False
+        self.decisions, self.switches, self.decided_at = 0, 0, None
+        self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
 
     @property
     def first(self) -> int:
@@ -64,7 +66,7 @@ class Autopilot:
         measures and decides together (collectives on ``comm``)."""
         self.meter.step_started(comm, prev)
         if prev is not None and prev.seen:
-            self.buckets, self.overlap = prev.seen, prev.overlapped
+            self.buckets, self.hooked = prev.seen, prev.overlapped
         due = index >= self.first and (index - self.first) % self.options.every == 0
         if due and self.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
             start = self.meter.clock()
@@ -87,13 +89,13 @@ class Autopilot:
         compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
         alpha, dense_step = table[:, 2].max().item(), table[:, 3].max().item()
         codec = table[:, 4:].max(0).values.view(-1, len(self.options.candidates)).tolist()
-        share = self.share
-        if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the link as the step saw it
-            share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute, self.overlap, codec,
-                             dense_step)
-        self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec, share=share)
-        if self.basis is None or self._moved(compute, bandwidth, share):
-            self.share = share
+        overlap, share = self.fitted
+        if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the step as it went
+            overlap, share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute,
+                                      1.0 if self.hooked else 0.0, codec, dense_step)
+        self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
+        if self.basis is None or self._moved(compute, bandwidth, (overlap, share)):
+            self.fitted = (overlap, share)
             self._decide(index, compute, Link(share * bandwidth, alpha), codec)
 
     def _gather(self, comm, local: list, device) -> torch.Tensor:
@@ -106,9 +108,16 @@ class Autopilot:
         self.meter.probe_bytes += comm.monitor_bytes - before
         return table.cpu()
 
-    def _moved(self, compute: float, bandwidth: float, share: float) -> bool:
-        c0, b0, s0 = self.basis[0], self.basis[1] / self.share, self.share
-        return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0), (share, s0)))
+    @property
+    def share(self) -> float:
+        return self.fitted[1]
+
+    def _moved(self, compute: float, bandwidth: float, fitted: tuple) -> bool:
+        """Whether compute, the probed link or the fitted overlap/share moved by more than :data:`MOVED`."""
+        c0, b0 = self.basis[0], self.basis[1] / self.share
+        pairs = ((compute, c0), (bandwidth, b0), (fitted[1], self.fitted[1]))
+        return (any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in pairs)
+                or abs(fitted[0] - self.fitted[0]) > MOVED)
 
     def _traffic(self) -> int:
         """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
@@ -116,13 +125,17 @@ class Autopilot:
         return sum(sum(c.sent for r in row[index[self.chosen.get(b.keys[0], "none")] if b.keys else 0].rounds
                        for c in r) for b, row in zip(self.buckets, self.costs))
 
+    def _overlap(self) -> float:
+        """How much of the backward pass the exchange hides behind: none without the DDP hook, else as fitted."""
+        return self.fitted[0] if self.hooked else 0.0
+
     def _sizes(self) -> list[int]:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
     def _decide(self, index: int, compute: float, link: Link, codec: list) -> None:
         """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed."""
         sizes = self._sizes()
-        choice, predicted, dense = choose(self.costs, sizes, link, compute, self.overlap, codec)
+        choice, predicted, dense = choose(self.costs, sizes, link, compute, self._overlap(), codec)
         self.basis = (compute, link.bandwidth, link.alpha)
         self.last.update(predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
         chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys}
@@ -158,8 +171,9 @@ class Autopilot:
     def stats(self) -> dict:
         """``stats()["auto"]``: ``plan`` (keys per codec spec, ``none`` = dense), ``decisions`` (choices made),
         ``switches`` (changes of plan after the first), ``decided_at`` (step), the combined measurements of the last
-        check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``link_share`` (the share of the
-        probed bandwidth the step's own collectives got, fitted on dense steps), ``predicted_step_s`` and ``dense_step_s``
+        check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``overlap`` and ``link_share`` (how
+        much of the backward pass the exchange hides behind, and the share of the probed bandwidth it gets, fitted on
+        the dense steps), ``predicted_step_s`` and ``dense_step_s``
         of the last decision, and ``probe_bytes`` (the measuring's own traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
@@ -167,7 +181,8 @@ class Autopilot:
         last = self.last
         return {"plan": counts, "decisions": self.decisions, "switches": self.switches, "decided_at": self.decided_at,
                 "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
-                "latency_s": last.get("alpha"), "link_share": self.share, "predicted_step_s": last.get("predicted_s"),
+                "latency_s": last.get("alpha"), "link_share": self.share, "overlap": self._overlap(),
+                "predicted_step_s": last.get("predicted_s"),
                 "dense_step_s": last.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
@@ -179,14 +194,14 @@ class Autopilot:
                     "after measuring)")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
                  f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload "
-                 f"(in the step: x{self.share:.3g}), "
+                 f"(in the step: x{self.share:.3g}; overlap with the backward pass {self._overlap():.2f}), "
                  f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
                  f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches"]
         choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
         link = Link(self.basis[1], self.basis[2])
         for b, c in enumerate(choice):
             times = [predict(choice[:b] + [k] + choice[b + 1:], self.costs, sizes, link, self.basis[0],
-                             self.overlap, last["codec"]) for k in range(len(cands))]
+                             self._overlap(), last["codec"]) for k in range(len(cands))]
             alts = ", ".join(f"{'dense' if s == 'none' else s} {t:.4g}" for s, t in zip(cands, times))
             lines.append(f"  bucket {b} ({sizes[b]} elements): {'dense' if cands[c] == 'none' else cands[c]}; "
                          f"step s with each: {alts}")
@@ -194,7 +209,7 @@ class Autopilot:
 
     def state_dict(self) -> dict:
         """The decision (``plan``: key -> spec), what it was based on, and the counters (plain values)."""
-        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "share": self.share,
+        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "fitted": list(self.fitted),
                 "decisions": self.decisions,
                 "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
 
@@ -202,7 +217,8 @@ class Autopilot:
         self._set_plan(dict(state.get("plan", {})))
         basis = state.get("basis") or ()
         self.basis = tuple(basis) if len(basis) == 3 else None
-        self.share = float(state.get("share", 1.0))
+        fitted = state.get("fitted") or (1.0, 1.0)
+        self.fitted = (float(fitted[0]), float(fitted[1]))
         self.decisions, self.switches = int(state.get("decisions", 0)), int(state.get("switches", 0))
         decided = int(state.get("decided_at", -1))
         self.decided_at = None if decided < 0 else decided

@@ -9,12 +9,14 @@ is the codec's cost on this device, for these shapes (the calibration; every ran
 **The step** (:func:`predict`): the cost model's (:func:`gradcompress.timing.simulate_step`): forward (1/3 of the
 compute time), then backward; a bucket is handed over when its share of the backward pass is done (in the order the
 step saw them), its codec work delays the backward pass, its first round overlaps the rest of it, later rounds
-follow; the link carries one collective at a time, ``bytes / B + alpha`` per message step. Without the DDP hook
-(``synchronize``) every bucket is ready at the end of the backward pass.
+follow; the link carries one collective at a time, ``bytes / B + alpha`` per message step. How much of the backward
+pass the exchange hides behind is ``overlap`` (1 under the DDP hook, less where measured so; 0 without the hook:
+``synchronize`` runs after the backward pass).
 
-**The link in the step** (:func:`fit_link`): the probes time collectives alone; in the step they share the CPU
-with the backward pass. The time of the dense steps (the measuring steps, and any later all-dense step) is the
-in-step probe: the probed bandwidth is scaled by the factor that makes the predicted dense step take that long.
+**The step as measured** (:func:`fit_link`): the probes time collectives alone; in the step they share the CPU (and
+maybe the link) with the backward pass. The time of the dense steps (the measuring steps, and any later all-dense
+step) is the in-step probe: the overlap with the backward pass, then the share of the probed bandwidth, are taken
+as what makes the predicted dense step take that long.
 
 **The choice** (:func:`choose`): from all-dense, greedily, the single change of one bucket's codec that shortens
 the predicted step most, until none does; compression is kept only if it beats the all-dense step by 2 % (else
@@ -108,9 +110,11 @@ def _run_once(config, world: int, seen, flat: torch.Tensor, codec) -> tuple[tupl
     return tuple(comm.take_rounds()), seconds
 
 
-def predict(choice, options, sizes, link: Link, compute_s: float, overlap: bool, costs=None) -> float:
+def predict(choice, options, sizes, link: Link, compute_s: float, overlap: float, costs=None) -> float:
     """Predicted step time with candidate ``choice[b]`` on bucket b (``costs[b][c]``: codec seconds, default the
-    recorded ones)."""
+    recorded ones). ``overlap`` in [0, 1]: how much of the backward pass a bucket's exchange can hide behind (1: from
+    the moment its gradients are ready, as on a GPU with its own copy engines and NICs; 0: none, every bucket waits
+    for the end of the backward pass, as ``synchronize``)."""
     total = sum(sizes) or 1
     done, work = 0, []
     for b, c in enumerate(choice):
@@ -118,30 +122,41 @@ def predict(choice, options, sizes, link: Link, compute_s: float, overlap: bool,
         option = options[b][c]
         codec_s = option.codec_s if costs is None else costs[b][c]
         rounds = tuple(Round(round_seconds(r, link.bandwidth, link.alpha)) for r in option.rounds)
-        work.append(BucketWork(ready=done / total if overlap else 1.0, hook_s=codec_s, rounds=rounds))
+        work.append(BucketWork(ready=1.0 - overlap * (1.0 - done / total), hook_s=codec_s, rounds=rounds))
     return simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, work).step_s
 
 
-def fit_link(options, sizes, link: Link, compute_s: float, overlap: bool, costs, dense_step_s: float) -> float:
-    """The share of the probed bandwidth the step's own dense exchange got: the factor f <= 1 for which the predicted
-    all-dense step at ``f * link.bandwidth`` takes the measured ``dense_step_s`` (1 when the prediction is not
-    shorter than the measurement). What the probes miss: the CPU the collectives share with the backward pass,
-    and a link that other traffic shares."""
-    dense = [0] * len(options)
-
-    def time_at(f: float) -> float:
-        return predict(dense, options, sizes, Link(f * link.bandwidth, link.alpha), compute_s, overlap, costs)
-
-    if dense_step_s <= 0 or time_at(1.0) >= dense_step_s:
-        return 1.0
-    lo, hi = 1e-3, 1.0  # time_at(lo) >= dense_step_s > time_at(hi), or lo is as slow as it may get
+def _solve(f, lo: float, hi: float, target: float) -> float:
+    """x in [lo, hi] with f(x) = target, f decreasing (bisection; hi if f(hi) >= target, lo if f(lo) < target)."""
+    if f(hi) >= target:
+        return hi
+    if f(lo) < target:
+        return lo
     for _ in range(30):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if time_at(mid) >= dense_step_s else (lo, mid)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) >= target else (lo, mid)
     return hi
 
 
-def choose(options, sizes, link: Link, compute_s: float, overlap: bool, costs=None) -> tuple[list[int], float, float]:
+def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs,
+             dense_step_s: float) -> tuple[float, float]:
+    """(overlap, share): how the step's own dense exchange did against the prediction. The measured dense steps
+    (``dense_step_s``) took longer than predicted: first the overlap with the backward pass is taken as smaller (down
+    to none; the collectives share the CPU with the backward pass), then the link as a share of the probed bandwidth
+    (another job shares it). ``(overlap, 1.0)`` when the prediction is not shorter than the measurement."""
+    dense = [0] * len(options)
+
+    def time_at(o: float, share: float) -> float:
+        return predict(dense, options, sizes, Link(share * link.bandwidth, link.alpha), compute_s, o, costs)
+
+    if dense_step_s <= 0 or time_at(overlap, 1.0) >= dense_step_s:
+        return overlap, 1.0
+    if time_at(0.0, 1.0) >= dense_step_s:
+        return _solve(lambda o: time_at(o, 1.0), 0.0, overlap, dense_step_s), 1.0
+    return 0.0, _solve(lambda f: time_at(0.0, f), 1e-3, 1.0, dense_step_s)
+
+
+def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=None) -> tuple[list[int], float, float]:
     """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense."""
     n = len(options)
 
