@@ -53,7 +53,8 @@ class Autopilot:
         self.basis: tuple | None = None  # (compute_s, bandwidth B/s in the step, alpha s) of the last decision
         #: (overlap with the backward pass, share of the probed bandwidth) as the dense steps went (:func:`.decide.fit_link`)
         self.fitted = (1.0, 1.0)
-        self.last: dict = {}  # the last check's numbers and prediction (explain, stats)
+        self.last: dict = {}  # the last check's combined numbers (stats)
+        self.decision: dict = {}  # the last decision's numbers, prediction and choice (explain, stats)
         self.decisions, self.switches, self.decided_at = 0, 0, None
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
 
@@ -137,7 +138,7 @@ class Autopilot:
         sizes = self._sizes()
         choice, predicted, dense = choose(self.costs, sizes, link, compute, self._overlap(), codec)
         self.basis = (compute, link.bandwidth, link.alpha)
-        self.last.update(predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
+        self.decision = dict(self.last, predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
         chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys}
         self.decisions += 1
         if chosen != self.chosen:
@@ -158,7 +159,7 @@ class Autopilot:
     def _set_plan(self, chosen: dict) -> None:
         self.chosen = dict(chosen)
         codecs = {spec: make(spec) for spec in set(chosen.values())}
-        self.plan = Plan(None, {k: None if codecs[s].exact else codecs[s] for k, s in chosen.items()})
+        self.plan = Plan(None, {k: codecs[s] for k, s in chosen.items() if not codecs[s].exact})  # dense: default
 
     def _summary(self) -> str:
         counts: dict = {}
@@ -178,18 +179,21 @@ class Autopilot:
         counts: dict = {}
         for spec in self.chosen.values():
             counts[spec] = counts.get(spec, 0) + 1
-        last = self.last
+        last, decision = self.last, self.decision
         return {"plan": counts, "decisions": self.decisions, "switches": self.switches, "decided_at": self.decided_at,
                 "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
                 "latency_s": last.get("alpha"), "link_share": self.share, "overlap": self._overlap(),
-                "predicted_step_s": last.get("predicted_s"),
-                "dense_step_s": last.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
+                "predicted_step_s": decision.get("predicted_s"),
+                "dense_step_s": decision.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
         """What was measured and why each bucket got its codec: per bucket, the predicted step time with each
         candidate there (the other buckets as chosen)."""
-        last = self.last
+        last = self.decision
         if "choice" not in last:
+            if self.chosen:
+                return (f"{self.options.text()}: the plan restored from a checkpoint ({self._summary()}); measured "
+                        f"and decided again at the next check")
             return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
                     "after measuring)")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "

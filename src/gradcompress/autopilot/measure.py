@@ -7,7 +7,8 @@
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
   plan sends between two checks, between 64 KB and 4 MB: about 1 % more bytes; twice, the fastest kept) gives the
-  payload bandwidth 2(W-1)/W M / (t_M - t_1KB). Their
+  payload bandwidth 2(W-1)/W M / (t_M - t_1KB) (at most 2(W-1)/W M / t_1KB: a fast link's M is within the noise).
+  Their
   bytes are counted in ``stats()["monitor_bytes"]`` and ``stats()["auto"]["probe_bytes"]``, never in
   ``wire_bytes``. With ``auto:bandwidth=RATE`` nothing is probed.
 
@@ -66,7 +67,8 @@ class Meter:
         small = min(self._time(comm, torch.zeros(SMALL_PROBE_FLOATS, device=device)) for _ in range(3))
         big = min(self._time(comm, torch.zeros(nbytes // 4, device=device)) for _ in range(2))
         alpha = small / (2 * (w - 1))
-        return 2 * (w - 1) / w * nbytes / max(big - small, 1e-9), alpha
+        # a difference below the small probe's own time is noise: the link is at least this fast
+        return 2 * (w - 1) / w * nbytes / max(big - small, small, 1e-9), alpha
 
     def _time(self, comm, t: torch.Tensor) -> float:
         before = comm.monitor_bytes
