@@ -73,8 +73,8 @@ def test_choose_dense_on_a_fast_link_and_compresses_on_a_slow_one():
 
 def test_fit_link_matches_the_measured_dense_step():
     """Dense steps slower than predicted: first less overlap with the backward pass, then a share of the probed
-    bandwidth, each making the predicted dense step take the measured time; nothing when the prediction is not
-    shorter than the measurement."""
+    bandwidth, each making the predicted dense step take the measured time; faster than predicted: a larger share
+    (the probe underrated the link), at most 1000x."""
     config = Config.parse("auto", {})
     buckets = _buckets()
     options = record(config, 4, buckets, config.auto.candidates)
@@ -90,7 +90,9 @@ def test_fit_link_matches_the_measured_dense_step():
     assert 0 < overlap < 1 and share == 1.0 and abs(dense(overlap) / ((full + serial) / 2) - 1) < 1e-3
     overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, 2 * serial)
     assert overlap == 0.0 and 0 < share < 1 and abs(dense(0.0, share) / (2 * serial) - 1) < 1e-3
-    assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.5 * full) == (1.0, 1.0)
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, 0.9 * full)  # faster than probed
+    assert overlap == 1.0 and share > 1 and abs(dense(1.0, share) / (0.9 * full) - 1) < 1e-3
+    assert fit_link(options, sizes, link, 0.01, 1.0, None, 1e-6) == (1.0, 1e3)  # faster than any link explains
     assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.0) == (1.0, 1.0)
 
 

@@ -126,34 +126,38 @@ def predict(choice, options, sizes, link: Link, compute_s: float, overlap: float
     return simulate_step(compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE, work).step_s
 
 
-def _solve(f, lo: float, hi: float, target: float) -> float:
-    """x in [lo, hi] with f(x) = target, f decreasing (bisection; hi if f(hi) >= target, lo if f(lo) < target)."""
+def _solve(f, lo: float, hi: float, target: float, log: bool = False) -> float:
+    """x in [lo, hi] with f(x) = target, f decreasing (bisection, geometric with ``log``; hi if f(hi) >= target, lo
+    if f(lo) < target)."""
     if f(hi) >= target:
         return hi
     if f(lo) < target:
         return lo
-    for _ in range(30):
-        mid = (lo + hi) / 2
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5 if log else (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) >= target else (lo, mid)
     return hi
 
 
 def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs,
              dense_step_s: float) -> tuple[float, float]:
-    """(overlap, share): how the step's own dense exchange did against the prediction. The measured dense steps
-    (``dense_step_s``) took longer than predicted: first the overlap with the backward pass is taken as smaller (down
-    to none; the collectives share the CPU with the backward pass), then the link as a share of the probed bandwidth
-    (another job shares it). ``(overlap, 1.0)`` when the prediction is not shorter than the measurement."""
+    """(overlap, share): how the step's own dense exchange did against the prediction. Measured dense steps
+    (``dense_step_s``) longer than predicted: first the overlap with the backward pass is taken as smaller (down to
+    none; the collectives share the CPU with the backward pass), then the link as a share of the probed bandwidth
+    (another job shares it). Shorter than predicted: the probes underrated the link (a fast link's probe is within
+    the noise of the ranks' arrival): the share grows, up to 1000. ``(overlap, 1.0)`` without dense steps."""
     dense = [0] * len(options)
 
     def time_at(o: float, share: float) -> float:
         return predict(dense, options, sizes, Link(share * link.bandwidth, link.alpha), compute_s, o, costs)
 
-    if dense_step_s <= 0 or time_at(overlap, 1.0) >= dense_step_s:
+    if dense_step_s <= 0:
         return overlap, 1.0
+    if time_at(overlap, 1.0) >= dense_step_s:
+        return overlap, _solve(lambda f: time_at(overlap, f), 1.0, 1e3, dense_step_s, log=True)
     if time_at(0.0, 1.0) >= dense_step_s:
         return _solve(lambda o: time_at(o, 1.0), 0.0, overlap, dense_step_s), 1.0
-    return 0.0, _solve(lambda f: time_at(0.0, f), 1e-3, 1.0, dense_step_s)
+    return 0.0, _solve(lambda f: time_at(0.0, f), 1e-3, 1.0, dense_step_s, log=True)
 
 
 def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=None) -> tuple[list[int], float, float]:

@@ -35,7 +35,7 @@ class Meter:
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.compute: collections.deque = collections.deque(maxlen=8)
-        self.dense_wall: collections.deque = collections.deque(maxlen=8)  # whole dense steps (the link's in-step probe)
+X
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
         self._mark: tuple[float, float] | None = None
