@@ -3,7 +3,7 @@
 * **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
   collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
-  The whole time of dense steps is kept too: the in-step probe of the link (:mod:`.decide`, :func:`.decide.fit_link`).
+  The whole time of the last 3 dense steps is kept too: the in-step probe of the link (:func:`.decide.fit_link`).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
   plan sends between two checks, between 64 KB and 4 MB: about 1 % more bytes; twice, the fastest kept) gives the
@@ -35,7 +35,7 @@ class Meter:
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.compute: collections.deque = collections.deque(maxlen=8)
-X
+        self.dense_wall: collections.deque = collections.deque(maxlen=3)  # the last dense steps (the in-step probe)
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
         self._mark: tuple[float, float] | None = None
