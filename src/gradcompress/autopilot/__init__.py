@@ -11,6 +11,10 @@ every rank at the same step (the committed step count, equal everywhere):
 3. if no decision was made yet, or the link rate or the compute time moved by more than 25 % since the last one,
    the plan is chosen again (:func:`.decide.choose`) — the same on every rank, so every rank switches at the same
    step. A switch is logged (INFO) and counted.
+4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
+   step time (the median of its last 3 steps, the slowest rank's) is compared with the old plan's; if it is not
+   faster, every rank goes back to the old plan at that step, and the new one is not chosen again until the
+   measurements move. The model proposes, the step decides.
 
 Across a switch, error-feedback residuals carry over (they live in gradient space: a bucket that goes dense keeps its
 residual until it is compressed again); PowerSGD's factors of a bucket whose codec changed start fresh.
@@ -37,6 +41,8 @@ log = logging.getLogger("gradcompress.auto")
 MEASURE_STEPS = 3
 #: a change of the link rate or the compute time that makes the autopilot decide again
 MOVED = 0.25
+#: steps after a switch (measured, no ``bandwidth=`` hint) at which the new plan's step time is compared with the old's
+TRIAL_STEPS = 4
 
 
 class Autopilot:
@@ -57,6 +63,8 @@ class Autopilot:
         self.decision: dict = {}  # the last decision's numbers, prediction and choice (explain, stats)
         self.decisions, self.switches, self.decided_at = 0, 0, None
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
+        self.trial: tuple | None = None  # (step, the old plan, its measured step time) of the last switch's trial
+        self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until the measurements move
 
     @property
     def first(self) -> int:
@@ -69,9 +77,13 @@ class Autopilot:
         if prev is not None and prev.seen:
             self.buckets, self.hooked = prev.seen, prev.overlapped
         due = index >= self.first and (index - self.first) % self.options.every == 0
-        if due and self.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
+        trial = self.trial is not None and index == self.trial[0]
+        if (due or trial) and self.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
             start = self.meter.clock()
-            self._check(comm, index)
+            if trial:  # a check due now waits for the next: the trial decides this step
+                self._judge(comm, index)
+            else:
+                self._check(comm, index)
             self.meter.excluded += self.meter.clock() - start
         return self.plan
 
@@ -85,19 +97,36 @@ class Autopilot:
             bandwidth, alpha = self.meter.link(comm, self._traffic() * self.options.every, device)
         else:
             bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
-        local = [self.meter.compute_s(), bandwidth, alpha, self.meter.dense_step_s()]
+        local = [self.meter.compute_s(), bandwidth, alpha, self.meter.step_s()]
         table = self._gather(comm, local + [o.codec_s for row in self.costs for o in row], device)
         compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
-        alpha, dense_step = table[:, 2].max().item(), table[:, 3].max().item()
+        alpha, step_s = table[:, 2].max().item(), table[:, 3].max().item()
+        dense_step = step_s if self.plan.dense else 0.0
         codec = table[:, 4:].max(0).values.view(-1, len(self.options.candidates)).tolist()
         overlap, share = self.fitted
         if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the step as it went
             overlap, share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute,
                                       1.0 if self.hooked else 0.0, codec, dense_step)
         self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
-        if self.basis is None or self._moved(compute, bandwidth, (overlap, share)):
+        measured = self.basis is None or self._moved(compute, bandwidth)
+        if measured or (self._refitted((overlap, share)) and not self.rejected):
+            if measured:  # the link or the compute changed: a plan the trial sent back may be right now
+                self.rejected = []
             self.fitted = (overlap, share)
-            self._decide(index, compute, Link(share * bandwidth, alpha), codec)
+            self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s)
+
+    def _judge(self, comm, index: int) -> None:
+        """The trial of the last switch: the new plan's measured steps against the old plan's; not faster: back."""
+        _, old_chosen, old_step = self.trial
+        self.trial = None
+        new_step = self._gather(comm, [self.meter.step_s()], self.buckets[0].device)[:, 0].max().item()
+        self.decision.update(trial=(old_step, new_step))
+        if new_step > 0 and old_step > 0 and new_step >= old_step:
+            self.rejected.append(dict(self.chosen))
+            self.switches += 1
+            self._apply(old_chosen)
+            log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
+                     index, self._summary(), new_step, old_step)
 
     def _gather(self, comm, local: list, device) -> torch.Tensor:
         """Every rank's ``local`` numbers, rank by rank: the same table on every rank, bit for bit (an all-reduce
@@ -113,12 +142,14 @@ class Autopilot:
     def share(self) -> float:
         return self.fitted[1]
 
-    def _moved(self, compute: float, bandwidth: float, fitted: tuple) -> bool:
-        """Whether compute, the probed link or the fitted overlap/share moved by more than :data:`MOVED`."""
+    def _moved(self, compute: float, bandwidth: float) -> bool:
+        """Whether the compute time or the probed link moved by more than :data:`MOVED` since the last decision."""
         c0, b0 = self.basis[0], self.basis[1] / self.share
-        pairs = ((compute, c0), (bandwidth, b0), (fitted[1], self.fitted[1]))
-        return (any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in pairs)
-                or abs(fitted[0] - self.fitted[0]) > MOVED)
+        return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0)))
+
+    def _refitted(self, fitted: tuple) -> bool:
+        """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
+        return abs(fitted[0] - self.fitted[0]) > MOVED or abs(fitted[1] - self.share) > MOVED * self.share
 
     def _traffic(self) -> int:
         """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
@@ -133,17 +164,21 @@ class Autopilot:
     def _sizes(self) -> list[int]:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
-    def _decide(self, index: int, compute: float, link: Link, codec: list) -> None:
-        """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed."""
+    def _decide(self, index: int, compute: float, link: Link, codec: list, step_s: float) -> None:
+        """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed (unless
+        the trial rejected that plan since the measurements last moved); ``step_s``: the current plan's measured
+        step, what a switch is judged against :data:`TRIAL_STEPS` steps later."""
         sizes = self._sizes()
         choice, predicted, dense = choose(self.costs, sizes, link, compute, self._overlap(), codec)
         self.basis = (compute, link.bandwidth, link.alpha)
         self.decision = dict(self.last, predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
-        chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys}
+        chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys if c}
         self.decisions += 1
-        if chosen != self.chosen:
+        if chosen != self.chosen and chosen not in self.rejected:
             if self.decided_at is not None:
                 self.switches += 1
+            if self.options.bandwidth is None:  # measured, not told: the switch is tried against the old plan
+                self.trial = (index + TRIAL_STEPS, dict(self.chosen), step_s)
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
                      "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
@@ -174,17 +209,22 @@ class Autopilot:
         ``switches`` (changes of plan after the first), ``decided_at`` (step), the combined measurements of the last
         check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``overlap`` and ``link_share`` (how
         much of the backward pass the exchange hides behind, and the share of the probed bandwidth it gets, fitted on
-        the dense steps), ``predicted_step_s`` and ``dense_step_s``
-        of the last decision, and ``probe_bytes`` (the measuring's own traffic)."""
+        the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last switch's
+        trial: the old and the new plan's measured step time, or None) and ``probe_bytes`` (the measuring's own
+        traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
             counts[spec] = counts.get(spec, 0) + 1
+        dense = sum(len(b.keys) for b in self.buckets or []) - len(self.chosen)
+        if dense > 0:
+            counts["none"] = dense
         last, decision = self.last, self.decision
         return {"plan": counts, "decisions": self.decisions, "switches": self.switches, "decided_at": self.decided_at,
                 "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
                 "latency_s": last.get("alpha"), "link_share": self.share, "overlap": self._overlap(),
                 "predicted_step_s": decision.get("predicted_s"),
-                "dense_step_s": decision.get("dense_s"), "probe_bytes": self.meter.probe_bytes}
+                "dense_step_s": decision.get("dense_s"), "trial": decision.get("trial"),
+                "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
         """What was measured and why each bucket got its codec: per bucket, the predicted step time with each
@@ -196,11 +236,14 @@ class Autopilot:
                         f"and decided again at the next check")
             return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
                     "after measuring)")
+        trial = last.get("trial")
+        tried = "" if trial is None else (f"; trial of the switch: {trial[1]:.4g} s/step against the old plan's "
+                                          f"{trial[0]:.4g} s ({'kept' if trial[1] < trial[0] else 'went back'})")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
                  f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload "
                  f"(in the step: x{self.share:.3g}; overlap with the backward pass {self._overlap():.2f}), "
                  f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
-                 f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches"]
+                 f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches{tried}"]
         choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
         link = Link(self.basis[1], self.basis[2])
         for b, c in enumerate(choice):
@@ -228,4 +271,4 @@ class Autopilot:
         self.decided_at = None if decided < 0 else decided
 
 
-__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED"]
+__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED", "TRIAL_STEPS"]

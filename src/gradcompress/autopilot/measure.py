@@ -3,7 +3,8 @@
 * **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
   collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
-  The whole time of the last 3 dense steps is kept too: the in-step probe of the link (:func:`.decide.fit_link`).
+  The whole time of the last 3 steps of the current plan (its first step not counted) is kept too: on dense steps the
+  in-step probe of the link (:func:`.decide.fit_link`); after a switch, what the new plan really costs (the trial).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
   plan sends between two checks, between 64 KB and 4 MB: about 1 % more bytes; twice, the fastest kept) gives the
@@ -35,7 +36,9 @@ class Meter:
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self.compute: collections.deque = collections.deque(maxlen=8)
-        self.dense_wall: collections.deque = collections.deque(maxlen=3)  # the last dense steps (the in-step probe)
+        #: the last whole steps of the current plan (not its first step): the in-step probe, and the trial's measure
+        self.walls: collections.deque = collections.deque(maxlen=3)
+        self._plan = None  # the plan those steps ran
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
         self._mark: tuple[float, float] | None = None
@@ -46,18 +49,19 @@ class Meter:
         if self._mark is not None and prev is not None and prev.committed is not None:
             wall, waited = now - self._mark[0] - self.excluded, comm.comm_seconds - self._mark[1]
             self.compute.append(max(wall - waited - prev.codec_seconds, 0.0))
-            if prev.plan.dense:
-                self.dense_wall.append(wall)
-            else:  # the dense steps' times describe the link as it was then
-                self.dense_wall.clear()
+            if prev.plan is self._plan:
+                self.walls.append(wall)
+            else:  # a new plan: its first step is not counted (the switch, fresh buffers)
+                self.walls.clear()
+                self._plan = prev.plan
         self._mark, self.excluded = (now, comm.comm_seconds), 0.0
 
     def compute_s(self) -> float:
         return statistics.median(self.compute) if self.compute else 0.0
 
-    def dense_step_s(self) -> float:
-        """The median time of the last dense steps (0: none seen)."""
-        return statistics.median(self.dense_wall) if self.dense_wall else 0.0
+    def step_s(self) -> float:
+        """The median time of the last steps of the current plan (0: none measured yet)."""
+        return statistics.median(self.walls) if self.walls else 0.0
 
     def link(self, comm, traffic: int, device) -> tuple[float, float]:
         """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together, with the
