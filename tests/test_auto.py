@@ -96,6 +96,29 @@ def test_fit_link_matches_the_measured_dense_step():
     assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.0) == (1.0, 1.0)
 
 
+@pytest.mark.parametrize("new_step, kept", [(0.2, False), (0.104, True), (0.05, True)])
+def test_the_trial_goes_back_when_the_new_plan_is_not_faster(new_step, kept):
+    """TRIAL_STEPS after a measured switch the new plan's measured step is compared with the old plan's: not faster,
+    back to the old plan (and the new one is not chosen again until the measurements move); faster, or slower within
+    the noise margin (5 %), kept."""
+    from gradcompress.autopilot import Autopilot
+    from gradcompress.collectives import LocalCollectives
+    from gradcompress.state import State
+
+    pilot = Autopilot(Config.parse("auto", {}), State())
+    pilot.buckets = _buckets()
+    new = {0: "int4", 1: "int4", 2: "int4", 3: "int4"}
+    pilot._apply(new)
+    pilot.trial = (7, {}, 0.1)
+    pilot.meter.walls.extend([new_step] * 3)
+    pilot._judge(LocalCollectives(1), 7)
+    assert pilot.trial is None and pilot.decision["trial"] == (0.1, new_step)
+    if kept:
+        assert pilot.chosen == new and pilot.rejected == [] and pilot.switches == 0
+    else:
+        assert pilot.chosen == {} and pilot.plan.dense and pilot.rejected == [new] and pilot.switches == 1
+
+
 def test_choose_keeps_within_the_budget():
     config = Config.parse("auto", {})
     options = record(config, 4, _buckets(), config.auto.candidates)

@@ -12,8 +12,8 @@ every rank at the same step (the committed step count, equal everywhere):
    the plan is chosen again (:func:`.decide.choose`) — the same on every rank, so every rank switches at the same
    step. A switch is logged (INFO) and counted.
 4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
-   step time (the median of its last 3 steps, the slowest rank's) is compared with the old plan's; if it is not
-   faster, every rank goes back to the old plan at that step, and the new one is not chosen again until the
+   step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's; if it is more than
+   :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one is not chosen again until the
    measurements move. The model proposes, the step decides.
 
 Across a switch, error-feedback residuals carry over (they live in gradient space: a bucket that goes dense keeps its
@@ -42,7 +42,10 @@ MEASURE_STEPS = 3
 #: a change of the link rate or the compute time that makes the autopilot decide again
 MOVED = 0.25
 #: steps after a switch (measured, no ``bandwidth=`` hint) at which the new plan's step time is compared with the old's
-TRIAL_STEPS = 4
+TRIAL_STEPS = 6
+#: the trial goes back only when the new plan measured this much slower than the old (a step's time varies by more
+#: than the model's margin between close plans; a clearly slower plan is what the trial is for)
+TRIAL_MARGIN = 0.05
 
 
 class Autopilot:
@@ -121,7 +124,7 @@ class Autopilot:
         self.trial = None
         new_step = self._gather(comm, [self.meter.step_s()], self.buckets[0].device)[:, 0].max().item()
         self.decision.update(trial=(old_step, new_step))
-        if new_step > 0 and old_step > 0 and new_step >= old_step:
+        if new_step > 0 and old_step > 0 and new_step > old_step * (1 + TRIAL_MARGIN):
             self.rejected.append(dict(self.chosen))
             self.switches += 1
             self._apply(old_chosen)
@@ -237,8 +240,9 @@ class Autopilot:
             return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
                     "after measuring)")
         trial = last.get("trial")
+        back = trial is not None and trial[1] > trial[0] * (1 + TRIAL_MARGIN)
         tried = "" if trial is None else (f"; trial of the switch: {trial[1]:.4g} s/step against the old plan's "
-                                          f"{trial[0]:.4g} s ({'kept' if trial[1] < trial[0] else 'went back'})")
+                                          f"{trial[0]:.4g} s ({'went back' if back else 'kept'})")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
                  f"compute {last['compute_s']:.4g} s/step, link {format_rate(8 * last['bandwidth'])} payload "
                  f"(in the step: x{self.share:.3g}; overlap with the backward pass {self._overlap():.2f}), "
@@ -271,4 +275,4 @@ class Autopilot:
         self.decided_at = None if decided < 0 else decided
 
 
-__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED", "TRIAL_STEPS"]
+__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED", "TRIAL_MARGIN", "TRIAL_STEPS"]

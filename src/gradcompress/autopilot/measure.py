@@ -3,7 +3,7 @@
 * **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
   collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
-  The whole time of the last 3 steps of the current plan (its first step not counted) is kept too: on dense steps the
+  The whole time of the last 5 steps of the current plan (its first step not counted) is kept too: on dense steps the
   in-step probe of the link (:func:`.decide.fit_link`); after a switch, what the new plan really costs (the trial).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
@@ -37,7 +37,7 @@ class Meter:
         self.clock = clock
         self.compute: collections.deque = collections.deque(maxlen=8)
         #: the last whole steps of the current plan (not its first step): the in-step probe, and the trial's measure
-        self.walls: collections.deque = collections.deque(maxlen=3)
+        self.walls: collections.deque = collections.deque(maxlen=5)
         self._plan = None  # the plan those steps ran
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
