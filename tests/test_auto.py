@@ -211,17 +211,17 @@ NETNS_PROBLEM = netns.problem()
 @pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
 def test_link_drop_on_four_hosts_is_followed():
     """4 namespaced hosts at 1 Gbit/s, the compute-bound CNN; before timed step 6 every uplink is reshaped to
-    100 Mbit/s with tc. auto (re-checking every 2 steps) measures the new rate and sends fewer bytes per step
-    within 2 checks of the drop."""
+    100 Mbit/s with tc. auto (re-checking every 2 steps) measures the new rate, decides again and compresses: the
+    steps from 5 after the drop on send less than half of a dense step."""
     from gradcompress.testbed.netbench import bench
 
     result = bench(["auto:every=2"], 4, 1e9, 0.0, "cnn", 16, 5, 32, None, 600, change=(6, 100e6))
     row = result["schemes"][0]
     auto, wire = row["auto"], row["step_wire_bytes"]
-    assert 50e6 < auto["bandwidth_bit"] < 150e6, auto  # the probes see the new rate (payload)
+    assert 30e6 < auto["bandwidth_bit"] < 200e6, auto  # the probes see the new rate (payload)
     assert auto["decisions"] >= 2 and auto["decided_at"] >= 5 + 6, auto
-    before, after = max(wire[3:6]), max(wire[6 + 5:])
-    assert after < 0.5 * before, wire
+    dense = 2 * 3 / 4 * 4 * result["params"]  # a dense step's ring-counted bytes
+    assert max(wire[6 + 5:]) < 0.5 * dense, (wire, dense)
 
 
 # ---------------------------------------------------------------------------- the CLI
