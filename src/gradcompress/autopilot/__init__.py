@@ -12,7 +12,8 @@ every rank at the same step (the committed step count, equal everywhere):
    the plan is chosen again (:func:`.decide.choose`) — the same on every rank, so every rank switches at the same
    step. A switch is logged (INFO) and counted.
 4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
-   step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's; if it is more than
+   step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's (measured, or
+   predicted under the new measurements where that is slower); if it is more than
    :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one is not chosen again until the
    measurements move. The model proposes, the step decides.
 
@@ -55,7 +56,7 @@ class Autopilot:
         self.config, self.options, self._state = config, config.auto, state
         self.meter = Meter()
         self.plan = Plan(None)
-        self.chosen: dict = {}  # key -> codec spec ("none": dense), the current decision
+        self.chosen: dict = {}  # key -> codec spec of the keys the current decision compresses (the others: dense)
         self.buckets: list | None = None  # (keys, shapes, device) of the last step's groups
         self.costs: list | None = None  # [bucket][candidate] recorded options
         self._costs_for: list | None = None  # the buckets' keys they were recorded for
@@ -154,11 +155,14 @@ class Autopilot:
         """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
         return abs(fitted[0] - self.fitted[0]) > MOVED or abs(fitted[1] - self.share) > MOVED * self.share
 
+    def _current(self) -> list[int]:
+        """The current plan as a candidate index per bucket (0: dense)."""
+        index = {spec: i for i, spec in enumerate(self.options.candidates)}
+        return [index[self.chosen.get(b.keys[0], "none")] if b.keys else 0 for b in self.buckets]
+
     def _traffic(self) -> int:
         """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
-        index = {spec: i for i, spec in enumerate(self.options.candidates)}
-        return sum(sum(c.sent for r in row[index[self.chosen.get(b.keys[0], "none")] if b.keys else 0].rounds
-                       for c in r) for b, row in zip(self.buckets, self.costs))
+        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(self._current(), self.costs))
 
     def _overlap(self) -> float:
         """How much of the backward pass the exchange hides behind: none without the DDP hook, else as fitted."""
@@ -181,7 +185,9 @@ class Autopilot:
             if self.decided_at is not None:
                 self.switches += 1
             if self.options.bandwidth is None:  # measured, not told: the switch is tried against the old plan
-                self.trial = (index + TRIAL_STEPS, dict(self.chosen), step_s)
+                # (as measured, or as predicted now if slower: its steps may have run on the link before it moved)
+                old = predict(self._current(), self.costs, sizes, link, compute, self._overlap(), codec)
+                self.trial = (index + TRIAL_STEPS, dict(self.chosen), max(step_s, old))
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
                      "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
@@ -265,7 +271,7 @@ class Autopilot:
                 "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
 
     def load_state_dict(self, state: dict) -> None:
-        self._set_plan(dict(state.get("plan", {})))
+        self._set_plan({k: spec for k, spec in state.get("plan", {}).items() if spec != "none"})
         basis = state.get("basis") or ()
         self.basis = tuple(basis) if len(basis) == 3 else None
         fitted = state.get("fitted") or (1.0, 1.0)

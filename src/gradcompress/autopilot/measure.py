@@ -7,7 +7,8 @@
   in-step probe of the link (:func:`.decide.fit_link`); after a switch, what the new plan really costs (the trial).
 * **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
-  plan sends between two checks, between 64 KB and 4 MB: about 1 % more bytes; twice, the fastest kept) gives the
+  plan sends between two checks, between 1 MB and 4 MB: about 1 % more bytes for a large model, more for a small
+  one, whose link cannot be measured with fewer; twice, the fastest kept) gives the
   payload bandwidth 2(W-1)/W M / (t_M - t_1KB) (at most 2(W-1)/W M / t_1KB: a fast link's M is within the noise).
   Their
   bytes are counted in ``stats()["monitor_bytes"]`` and ``stats()["auto"]["probe_bytes"]``, never in
@@ -25,7 +26,9 @@ import time
 import torch
 
 SMALL_PROBE_FLOATS = 256
-PROBE_BYTES = (64 * 1024, 4 * 1024 * 1024)
+#: the big probe's bounds: at least 1 MB, whose ring messages (M/W) exceed what a link's buffers and token bucket let
+#: through at line rate (a smaller probe measured a 100 Mbit/s tbf link at 330 Mbit/s), at most 4 MB
+PROBE_BYTES = (1024 * 1024, 4 * 1024 * 1024)
 #: the big probe is 1/300 of the traffic between two checks: its two all-reduces send 2 x 2(W-1)/W of it, ~1 %
 PROBE_SHARE = 300
 
