@@ -12,8 +12,8 @@ every rank at the same step (the committed step count, equal everywhere):
    the plan is chosen again (:func:`.decide.choose`) — the same on every rank, so every rank switches at the same
    step. A switch is logged (INFO) and counted.
 4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
-   step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's (measured, or
-   predicted under the new measurements where that is slower); if it is more than
+   step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's last 5 steps; if
+   it is more than
    :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one is not chosen again until the
    measurements move. The model proposes, the step decides.
 
@@ -185,9 +185,7 @@ class Autopilot:
             if self.decided_at is not None:
                 self.switches += 1
             if self.options.bandwidth is None:  # measured, not told: the switch is tried against the old plan
-                # (as measured, or as predicted now if slower: its steps may have run on the link before it moved)
-                old = predict(self._current(), self.costs, sizes, link, compute, self._overlap(), codec)
-                self.trial = (index + TRIAL_STEPS, dict(self.chosen), max(step_s, old))
+                self.trial = (index + TRIAL_STEPS, dict(self.chosen), step_s)
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
                      "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
