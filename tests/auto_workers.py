@@ -38,6 +38,13 @@ def _replicas_equal(model: nn.Module) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def _train_step(model, opt, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
 def _plan_text(compressor) -> str:
     return repr(sorted(compressor.autopilot.chosen.items())) if compressor.autopilot else compressor.codec.spec
 
@@ -63,10 +70,7 @@ def ddp_train(rank: int, world: int, spec: str, steps: int, options: dict | None
         if change is not None and step == change[0]:
             import dataclasses
             comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=change[1])
-        x, y = _batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        _train_step(model, opt, rank, step)
         plans.append(_plan_text(comp))
         equal.append(_replicas_equal(model))
         same.append(_same_everywhere(plans[-1]))
@@ -87,10 +91,7 @@ def switch(rank: int, world: int, steps: int, at: int, back: int) -> dict:
         if step in (at, back):
             rate = 1e6 if step == at else 100e9
             comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=rate)
-        x, y = _batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        _train_step(model, opt, rank, step)
         plans.append(_plan_text(comp))
         equal.append(_replicas_equal(model))
         residuals.append({k: v.clone() for k, v in comp.residual.items()})
