@@ -29,8 +29,7 @@ from .state import FSDP_KEY_PREFIX, State
 from .step import Step
 
 _UNSET = object()  # an option not given as a keyword
-#: saved with a ``collective`` option that no longer exists (always ``auto``): read as without it
-_OLD_COLLECTIVE = " collective=auto"
+_OLD_COLLECTIVE = " collective=auto"  # saved with a ``collective`` option that no longer exists: read without it
 
 
 class Compressor:
@@ -66,7 +65,6 @@ class Compressor:
         self._pending: dict = {}  # a loaded state's world and topology, until compared with the group's
         if self.options.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
             from .codecs import fast
-
             fast.prepare()
 
     def __getattr__(self, name: str):
@@ -103,18 +101,19 @@ class Compressor:
         return self._step if self._step is not None and self._step.open else None
 
     # ------------------------------------------------------------------ the step protocol
-    def step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
-             should_commit: Callable[[], bool] | None = None) -> Step:
-        """Open a step, to use as ``with compressor.step() as step:`` (commit on a clean exit, rollback on an
-        exception; see :mod:`gradcompress.step`). The same as :meth:`begin_step`."""
-        return self.begin_step(collectives, plan=plan, should_commit=should_commit)
+    def step(self, collectives: Collectives | None = None, **options) -> Step:
+        """:meth:`begin_step`, to use as ``with compressor.step() as step:`` (commit on a clean exit, rollback on an
+        exception; see :mod:`gradcompress.step`)."""
+        return self.begin_step(collectives, **options)
 
     def begin_step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
-                   should_commit: Callable[[], bool] | None = None) -> Step:
+                   should_commit: Callable[[], bool] | None = None, deferred: bool = False,
+                   silent: bool = False) -> Step:
         """Open a step on the process group (or on ``collectives``, e.g. ``LocalCollectives(1)`` for a single
         process without ``torch.distributed``). ``plan``: the step's key -> codec (default: the codec, warm-up and
-        schedule at this position); ``should_commit``: an outside decision asked at the step's end on every rank
-        (torchft's ``Manager.should_commit``): the new state commits only if it agrees and every rank was finite."""
+        schedule at this position); ``should_commit``: an outside decision asked at the step's end on every rank:
+        the new state commits only if it agrees and every rank was finite; ``deferred``: that decision comes later,
+        through ``Step.decide``; ``silent``: this rank sends zeros (:class:`~gradcompress.step.Step`)."""
         if self.current_step is not None:
             raise RuntimeError("gradcompress: a step of this compressor is still open; end() or abort() it first")
         session = self.session
@@ -125,7 +124,8 @@ class Compressor:
         if plan is None:
             auto, i = self.autopilot, self.state.step
             plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
-        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit)
+        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit,
+                          deferred=deferred, silent=silent)
         return self._step
 
     def bind(self, group) -> "Compressor":

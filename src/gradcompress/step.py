@@ -40,10 +40,13 @@ from typing import Callable, Hashable, NamedTuple, Sequence
 import torch
 
 from .collectives import Job, Running, drive, finish, one_job
-from .exchanges.context import Context, all_finite, key_number, mix_seed
+from .exchanges.context import QUIET_SLOTS, Context, all_finite, key_number, mix_seed
 from .monitor import StepMonitor
 from .schedule import Plan
 from .state import SLOTS, State
+
+#: the state a silent step (a replica being healed) commits: what every rank computes alike from the collectives
+SHARED_SLOTS = ("q", "p")
 
 
 class Seen(NamedTuple):
@@ -68,7 +71,7 @@ class Step:
     """
 
     def __init__(self, config, session, state: State, telemetry, workspace: dict, plan: Plan,
-                 should_commit: Callable[[], bool] | None = None):
+                 should_commit: Callable[[], bool] | None = None, *, deferred: bool = False, silent: bool = False):
         self.session, self.state, self.telemetry, self.plan = session, state, telemetry, plan
         self.comm = session.comm
         self.index = state.step
@@ -80,6 +83,12 @@ class Step:
             self.ctx.monitor = StepMonitor(self.ctx)
         self.ctx.transforms = config.transforms(self.ctx, self.comm.world)
         self._should_commit = should_commit
+        #: the commit waits for :meth:`decide` (torchft: ``Manager.should_commit``, asked by the user's loop)
+        self.deferred = deferred
+        #: this rank takes part in the collectives but contributes zeros and reads none of its own state
+        #: (:data:`QUIET_SLOTS`): a replica that torchft is healing; its new state in them is never committed
+        self.silent = self.ctx.silent = silent
+        self.finite: bool | None = None
         self._launched: list = []
         #: each group of tensors averaged, in order (:class:`Seen`: the autopilot's buckets)
         self.seen: list[Seen] = []
@@ -101,6 +110,9 @@ class Step:
         """
         self._require_open()
         keys, tensors = list(keys), list(tensors)
+        if self.silent:
+            for t in tensors:
+                t.zero_()
         self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
@@ -163,20 +175,34 @@ class Step:
         drive(jobs, self.comm, self)
 
     # ---------------------------------------------------------------- the end
-    def end(self) -> bool:
+    def end(self) -> bool | None:
         """Commit the step's new state if every rank was finite (one host sync) and the outside decision, if any,
-        agrees (asked on every rank, finite or not); True if committed."""
+        agrees (asked on every rank, finite or not); True if committed. A :attr:`deferred` step only closes here
+        (``finite`` is known, ``committed`` stays None) and commits at :meth:`decide`."""
         checks = self.ctx.checks
-        finite = bool(torch.stack(checks).all()) if checks else True
+        self.finite = bool(torch.stack(checks).all()) if checks else True
+        self.open = False
+        if self.deferred:
+            return None
         agreed = self._should_commit() if self._should_commit is not None else True
-        commit = finite and bool(agreed)
+        return self.decide(agreed)
+
+    def decide(self, agreed: bool) -> bool:
+        """The outside decision on a closed step: commit its new state if it agrees and every rank was finite
+        (a :attr:`silent` step commits only the state every rank shares, :data:`SHARED_SLOTS`); True if committed."""
+        if self.committed is not None or self.open:
+            raise RuntimeError("gradcompress: decide() needs a step that has ended and not been decided")
+        commit = self.finite and bool(agreed)
         if commit:
             monitor = self.ctx.monitor
             if monitor is not None and monitor.rows:
                 self.telemetry.report(self.index, monitor)
-            self.state.commit(self.ctx.new)
+            new = self.ctx.new
+            if self.silent:
+                new = {k: v for k, v in new.items() if k[0] in SHARED_SLOTS}
+            self.state.commit(new)
         self.state.count(commit, self.raw_bytes, self.codec_seconds)
-        self.ctx.new, self.ctx.checks, self.open, self.committed = {}, [], False, commit
+        self.ctx.new, self.ctx.checks, self.committed = {}, [], commit
         return commit
 
     def abort(self, error: "BaseException | None" = None) -> None:
@@ -209,4 +235,4 @@ class Step:
         return bool(self._guard.__exit__(*exc))
 
 
-__all__ = ["SLOTS", "Seen", "State", "Step", "all_finite", "key_number", "mix_seed"]
+__all__ = ["QUIET_SLOTS", "SHARED_SLOTS", "SLOTS", "Seen", "State", "Step", "all_finite", "key_number", "mix_seed"]

@@ -14,6 +14,8 @@ from typing import Hashable
 import torch
 
 _MASK64 = (1 << 64) - 1
+#: the state a silent step (a replica that torchft is healing) neither reads nor changes: its own gradients'
+QUIET_SLOTS = ("residual", "server_residual", "momentum")
 
 
 def mix_seed(*parts: int) -> int:
@@ -62,10 +64,14 @@ class Context:
         self.owned: dict = {}  # key -> this step's error-fed input, a buffer of ours (the new residual's home)
         self.checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
         self.transforms = None  # the step's chain (gradcompress.transforms.Transforms), set by the step
+        self.silent = False  # a rank that sends zeros (torchft healing): set by the step
 
     # ---------------------------------------------------------------- state
     def old(self, slot: str, key: Hashable):
-        """The committed state of ``key`` in ``slot`` (None if there is none)."""
+        """The committed state of ``key`` in ``slot`` (None if there is none, or, on a ``silent`` step, for the
+        slots that hold this rank's own gradients: it sends zeros)."""
+        if self.silent and slot in QUIET_SLOTS:
+            return None
         return self.state.get(slot, key)
 
     def latest(self, slot: str, key: Hashable):

@@ -1,0 +1,34 @@
+"""torchft's lighthouse server, started on 127.0.0.1 with a free port (tests, ``train --fault-tolerant``, the demo).
+
+The lighthouse decides each step's quorum of live replica groups. ``heartbeat_timeout_ms``: how long after a
+replica's last heartbeat it counts as dead (the stall after a kill is about this); ``join_timeout_ms``: how long a
+quorum waits for replicas that are heartbeating but not yet asking (a restarted one).
+"""
+
+from __future__ import annotations
+
+
+class Lighthouse:
+    """``with Lighthouse(min_replicas=1) as lh: ... lh.address``: torchft's own ``LighthouseServer`` in this
+    process, bound to 127.0.0.1 on a port the system chooses."""
+
+    def __init__(self, min_replicas: int = 1, *, join_timeout_ms: int = 200, heartbeat_timeout_ms: int = 1000,
+                 quorum_tick_ms: int = 20):
+        from torchft._torchft import LighthouseServer
+
+        self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+                                       join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+                                       heartbeat_timeout_ms=heartbeat_timeout_ms)
+        self.address = self.server.address()
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+    def __enter__(self) -> "Lighthouse":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+__all__ = ["Lighthouse"]
