@@ -71,11 +71,12 @@ def wait_for(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def rendezvous(cfg) -> None:
+def rendezvous(cfg, announce: bool = True) -> None:
     """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
     replica announces itself (its Manager heartbeats now) and goes straight to its first quorum."""
     if cfg.get("restarted"):
-        open(os.path.join(cfg["dir"], "rejoined"), "w").close()
+        if announce:
+            open(os.path.join(cfg["dir"], "rejoined"), "w").close()
         return
     open(os.path.join(cfg["dir"], f"ready{cfg['replica']}"), "w").close()
     for i in range(cfg["replicas"]):
@@ -164,7 +165,92 @@ def ddp_replica(cfg):
     manager.shutdown(wait=False)
 
 
+def diloco_replica(cfg):
+    """One replica running DiLoCo under torchft (H = ``sync_every``); logs each sync."""
+    from gradcompress.optim import DiLoCo
+
+    x, y = data()
+    net = model()
+    manager, store = make_manager(cfg, (None, None))
+    inner = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    opt = DiLoCo(net, inner, sync_every=cfg["sync_every"], codec=cfg["spec"], manager=manager)
+    log = open(cfg["log"], "a")
+    gen = torch.Generator().manual_seed(1000 + cfg["replica"])
+    rendezvous(cfg, announce=False)  # a restarted replica announces itself just before its first sync
+    while opt.inner_steps < cfg["steps"]:
+        if cfg.get("restarted") and opt.inner_steps + 1 == cfg["sync_every"]:  # its first sync comes next
+            open(os.path.join(cfg["dir"], "rejoined"), "w").close()
+        if cfg.get("kill_at") == opt.inner_steps:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("pause_at") == opt.inner_steps:
+            wait_for(os.path.join(cfg["dir"], "rejoined"))
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        syncs = opt.syncs
+        opt.step()
+        if opt.syncs != syncs or opt.inner_steps % cfg["sync_every"] == 0:
+            with torch.no_grad():
+                full = float(torch.nn.functional.cross_entropy(net(x), y))
+            log.write(json.dumps({"replica": cfg["replica"], "inner_steps": opt.inner_steps, "syncs": opt.syncs,
+                                  "participants": manager.num_participants(), "skipped": opt.skipped,
+                                  "anchor": digest(opt.anchor), "params": digest(net.parameters()),
+                                  "step": manager.current_step(), "loss": full, "pid": os.getpid()}) + "\n")
+            log.flush()
+    manager.shutdown(wait=False)
+
+
+def group_replica(cfg):
+    """One process of a replica group of 2: DDP inside the group on its own gloo group, gradcompress's managed
+    ``synchronize`` between the groups (each group rank exchanges with the same group rank of the other groups)."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+    from torchft.optim import OptimizerWrapper
+
+    g, name = cfg["group_rank"], os.path.join(cfg["dir"], f"store{cfg['replica']}")
+    if g == 0:
+        store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+        with open(name + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(name + ".tmp", name)
+    else:
+        wait_for(name)
+        store = TCPStore("127.0.0.1", int(open(name).read()), world_size=2, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=g, world_size=2)
+    x, y = data()
+    net = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    manager, _ = make_manager(cfg, (lambda sd: net.load_state_dict(sd), lambda: net.state_dict()), group_rank=g,
+                              group_world=2, store_port=store.port)
+    comp = gft.Compressor(cfg["spec"], manager, group=dist.group.WORLD)
+    optimizer = OptimizerWrapper(manager, opt)
+    log = open(cfg["log"], "a")
+    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + g)
+    if g == 0 or not cfg.get("restarted"):
+        rendezvous(cfg)
+    while manager.current_step() < cfg["steps"]:
+        step = manager.current_step()
+        if cfg.get("kill_at") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("pause_at") == step:
+            wait_for(os.path.join(cfg["dir"], "rejoined"))
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        before = digest([p.grad for p in net.parameters()])
+        comp.synchronize(net.parameters())
+        after = digest([p.grad for p in net.parameters()])
+        silent = comp.held[-1].silent
+        optimizer.step()
+        log.write(json.dumps({"replica": cfg["replica"], "group_rank": g, "step": step, "committed": manager.current_step() > step, "participants":
+                              manager.num_participants(), "params": digest(net.parameters()),
+                              "state_step": comp.state.step, "grads": [before, after], "rank": comp.collectives.rank, "silent": silent}) + "\n")
+        log.flush()
+    manager.shutdown(wait=False)
+
+
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
-    {"ddp": ddp_replica}[cfg.get("kind", "ddp")](cfg)
+    {"ddp": ddp_replica, "diloco": diloco_replica, "group": group_replica}[cfg.get("kind", "ddp")](cfg)
     os._exit(0)

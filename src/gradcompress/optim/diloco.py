@@ -141,6 +141,11 @@ class DiLoCo:
         topology: the outer exchange's (:mod:`gradcompress.topology`). Default: the DDP group's size G for a
             model wrapped in DDP on its node's group (hierarchical: each worker sends 1/G of the outer
             gradient), else ``"auto"``.
+        manager: a torchft ``Manager`` (fault tolerance, :mod:`gradcompress.integrations.torchft`): each sync
+            starts a quorum, averages the outer gradients of the live replicas (a rejoining replica sends zeros),
+            and applies the outer step only if ``manager.should_commit()`` agrees; a rejoining replica receives
+            the anchor, the outer optimizer's state and the step counters. The replicas must start from the same
+            parameters (the same seed): nothing is broadcast at construction.
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
     runs the inner optimizer's step and, every ``sync_every`` calls, the sync;
@@ -151,7 +156,7 @@ class DiLoCo:
     def __init__(self, model_or_params, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  codec=None, outer: str = "nesterov", outer_lr: float | None = None, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_decay: float | None = None, outer_optimizer=None,
-                 error_feedback="auto", process_group=None, seed: int = 0, topology=None):
+                 error_feedback="auto", process_group=None, seed: int = 0, topology=None, manager=None):
         if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -175,17 +180,21 @@ class DiLoCo:
             raise ValueError("DiLoCo: codec='auto' is not supported: the autopilot decides each step's codec from "
                              "the step's own link and compute measurements, and DiLoCo syncs once every sync_every "
                              "steps; name a codec (e.g. 'int4')")
+        self.manager = manager
+        build = Compressor if manager is None else _managed(manager, process_group, topology)
         if sparse:
             self.compressor = _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology,
-                                                     process_group, seed)
+                                                     process_group, seed, build)
         else:
-            self.compressor = Compressor("none" if codec is None else codec, process_group=process_group,
-                                         error_feedback=error_feedback, seed=seed,
-                                         topology="auto" if topology is None else topology)
+            self.compressor = build("none" if codec is None else codec, process_group=process_group,
+                                    error_feedback=error_feedback, seed=seed,
+                                    topology="auto" if topology is None else topology)
         self.process_group = process_group
         # without torch.distributed (and no group): a single process, its syncs on explicit local collectives
-        self._local = LocalCollectives(1) if process_group is None and default_group() is None else None
-        self._broadcast_from_rank0()
+        local = manager is None and process_group is None and default_group() is None
+        self._local = LocalCollectives(1) if local else None
+        if manager is None:  # under torchft the replicas start alike (same seed) and heal from a peer's state
+            self._broadcast_from_rank0()
         self.anchor = [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
         if sparse:  # no outer momentum: the decayed error-feedback buffer is the outer memory
             self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=0.0)
@@ -199,6 +208,9 @@ class DiLoCo:
         self.inner_steps = 0
         self.syncs = 0
         self.skipped = 0
+        if manager is not None:  # a rejoining replica receives the anchor, outer state and counters
+            manager.register_state_dict_fn(f"{self.compressor.state_key}.diloco", self._load_shared,
+                                           self._shared_state)
 
     # ------------------------------------------------------------------ optimizer interface
     @property
@@ -223,12 +235,14 @@ class DiLoCo:
         Returns False when some rank's outer gradient was non-finite: then nothing is
         applied and every rank restarts from the unchanged anchor (``stats()["skipped"]``).
         """
+        if self.manager is not None:
+            self.manager.start_quorum()  # who is live now; a rejoining replica heals at should_commit below
         outer_grads = [(a.detach() - p.detach()).to(a.dtype) for a, p in zip(self.anchor, self.params)]
         if self.outer_kind == "sparseloco" and self.error_decay != 1.0:
             self._decay_residuals(outer_grads)
         with self.compressor.step(self._local) as step:
             step.drive([step.exchange(list(range(len(outer_grads))), outer_grads)])
-        finite = step.committed
+        finite = step.committed if self.manager is None else bool(self.manager.should_commit() and step.finite)
         self.syncs += 1
         if finite:
             for a, g in zip(self.anchor, outer_grads):
@@ -279,6 +293,19 @@ class DiLoCo:
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.skipped = int(state.get("skipped", 0))
 
+    # ------------------------------------------------------------------ torchft's state transfer
+    def _shared_state(self) -> dict:
+        """What a rejoining replica receives (from torchft's quorum thread: copies, no collective)."""
+        return {"anchor": [a.detach().clone() for a in self.anchor], "outer": _cloned(self.outer.state_dict()),
+                "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped}
+
+    @torch.no_grad()
+    def _load_shared(self, state: dict) -> None:
+        for a, saved in zip(self.anchor, state["anchor"]):
+            a.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
+
     # ------------------------------------------------------------------ internals
     def _decay_residuals(self, outer_grads: list[torch.Tensor]) -> None:
         """SparseLoCo's ``e <- beta e + delta`` through the Compressor's error feedback, which compresses
@@ -317,7 +344,33 @@ def _error_decay(value, sparse: bool) -> float:
     return float(value)
 
 
-def _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed) -> Compressor:
+def _cloned(value):
+    """A copy of a (nested) state dict's tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _managed(manager, process_group, topology):
+    """The Compressor class for DiLoCo under torchft's ``manager`` (its outer exchange on the live quorum)."""
+    from ..integrations.torchft import Compressor as Managed
+
+    if process_group is not None or topology not in (None, "auto", "flat"):
+        raise ValueError("DiLoCo: under torchft (manager=...) the outer exchange runs between the replicas of the "
+                         "quorum: process_group and a hierarchical topology do not apply")
+
+    def build(codec, *, process_group=None, topology=None, **options):
+        return Managed(codec, manager, **options)
+
+    return build
+
+
+def _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed,
+                           build=Compressor) -> Compressor:
     """SparseLoCo's outer exchange: a lossy codec with error feedback on, every tensor compressed, flat."""
     if outer_optimizer is not None:
         raise ValueError("DiLoCo: outer='sparseloco' steps the anchor by plain SGD (outer_lr); outer_optimizer "
@@ -338,7 +391,7 @@ def _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, pro
                          f"error_feedback={options['error_feedback']!r} does not apply")
     options.setdefault("min_numel", 0)
     options["error_feedback"] = True
-    return Compressor(name, process_group=process_group, seed=seed, topology="flat", **options)
+    return build(name, process_group=process_group, seed=seed, topology="flat", **options)
 
 
 __all__ = ["DiLoCo", "OUTERS", "SPARSELOCO_CODEC", "SPARSELOCO_ERROR_DECAY", "SPARSELOCO_OUTER_LR", "check_outer"]

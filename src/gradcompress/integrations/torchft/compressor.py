@@ -36,11 +36,12 @@ class Compressor(_Compressor):
     Use it for custom loops (``compressor.synchronize(model.parameters())`` after backward, then
     ``if manager.should_commit(): optimizer.step()``, or torchft's ``OptimizerWrapper``), or let
     :class:`~gradcompress.integrations.torchft.DistributedDataParallel` build one. ``state_key``: the name of its
-    shared state in torchft's transfer (default ``"gradcompress"``, then ``"gradcompress.1"``...). The options are
+    shared state in torchft's transfer (default ``"gradcompress"``, then ``"gradcompress.1"``...); ``group``: the
+    replica group's own process group, for replica groups of several processes (:meth:`synchronize`). The options are
     the Compressor's; ``"auto"`` and hierarchical topologies are refused (a quorum changes its members every step).
     """
 
-    def __init__(self, spec, manager, *, state_key: str | None = None, **options):
+    def __init__(self, spec, manager, *, group=None, state_key: str | None = None, **options):
         if is_auto(spec):
             raise ValueError("gradcompress under torchft: 'auto' is not supported (the autopilot measures a fixed "
                              "group; a quorum changes): name a codec, e.g. 'int8'")
@@ -49,7 +50,7 @@ class Compressor(_Compressor):
             raise ValueError(f"gradcompress under torchft: topology must be 'flat' (the replica groups are the "
                              f"quorum's members), got {topology!r}")
         super().__init__(spec, topology="flat", divisor=manager.num_participants, **options)
-        self.manager = manager
+        self.manager, self.group = manager, group
         self.collectives = ManagedCollectives(manager)
         self.held: list = []  # closed steps waiting for Manager.should_commit()
         self.quorum = None
@@ -85,9 +86,27 @@ class Compressor(_Compressor):
 
     def synchronize(self, parameters, collectives=None) -> bool:
         """Average the gradients over the live replicas (see :meth:`gradcompress.Compressor.synchronize`); returns
-        whether every replica's gradient was finite. The commit is ``manager.should_commit()``'s."""
-        super().synchronize(parameters, collectives)
-        return bool(self.held[-1].finite)
+        whether every replica's gradient was finite. The commit is ``manager.should_commit()``'s.
+
+        With ``group`` (a replica group of G processes that hold the same gradients, e.g. after DDP on the
+        group): rank g of the group averages parameters g, g+G, g+2G... with rank g of the other replica groups,
+        then every parameter is broadcast inside the group from its owner: each process sends 1/G of the
+        gradient between groups, and the group's processes end with the same average (torchft decides healing
+        per group rank; one owner per parameter keeps the group's processes equal)."""
+        if self.group is None:
+            super().synchronize(parameters, collectives)
+            return bool(self.held[-1].finite)
+        import torch.distributed as dist
+
+        params = [p for p in parameters if p.requires_grad]
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        mine = [(i, p.grad) for i, p in enumerate(params) if i % size == rank and p.grad is not None]
+        with self.step(collectives) as step:
+            step.drive([step.exchange([i for i, _ in mine], [g for _, g in mine])])
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                dist.broadcast(p.grad, src=dist.get_global_rank(self.group, i % size), group=self.group)
+        return bool(step.finite)
 
     def settle(self, agreed: bool) -> None:
         """The Manager decided this replica's step: commit the held steps' state, or drop it."""
