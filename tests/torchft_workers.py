@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -62,8 +64,6 @@ def make_manager(cfg, state_fns, group_rank=0, group_world=1, store_port=None):
 
 
 def wait_for(path: str, timeout: float = 60.0) -> None:
-    import time
-
     end = time.time() + timeout
     while not os.path.exists(path):
         if time.time() > end:
@@ -103,7 +103,6 @@ def ddp_replica(cfg):
     x, y = data()
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=cfg.get("lr", 0.1))
-    box = {}
 
     def save():
         return {"model": net.state_dict(), "optim": opt.state_dict()}
@@ -113,22 +112,15 @@ def ddp_replica(cfg):
         opt.load_state_dict(sd["optim"])
 
     manager, store = make_manager(cfg, (load, save))
-    ddp = gft.DistributedDataParallel(manager, net, cfg["spec"], **cfg.get("options", {}))
-    box["c"] = comp = ddp.compressor
+    if cfg.get("torchft_ddp"):  # torchft's own DDP (its dense all-reduce), the reference for "none"
+        from torchft.ddp import DistributedDataParallel
+
+        ddp = DistributedDataParallel(manager, net)
+        comp = gft.Compressor("none", manager)  # unused by the model: its log fields stay empty
+    else:
+        ddp = gft.DistributedDataParallel(manager, net, cfg["spec"], **cfg.get("options", {}))
+        comp = ddp.compressor
     optimizer = OptimizerWrapper(manager, opt)
-    if os.environ.get("FT_DEBUG"):
-        import time
-        orig_begin, orig_wait = comp.begin_step, comp.collectives.wait
-        def begin(*a, **k):
-            print("begin", cfg["replica"], time.time(), flush=True)
-            r = orig_begin(*a, **k)
-            print("begun", cfg["replica"], time.time(), comp.collectives.world, flush=True)
-            return r
-        def wait(works):
-            print("wait", cfg["replica"], time.time(), len(works), flush=True)
-            orig_wait(works)
-            print("waited", cfg["replica"], time.time(), comp.collectives.failed, flush=True)
-        comp.begin_step, comp.collectives.wait = begin, wait
     if cfg.get("kill_in_exchange") is not None:
         kill_inside_exchange(comp, cfg["kill_in_exchange"])
     log = open(cfg["log"], "a")
@@ -142,6 +134,7 @@ def ddp_replica(cfg):
         if cfg.get("pause_at") == step:
             wait_for(os.path.join(cfg["dir"], "rejoined"))
         idx = torch.randint(0, len(x), (32,), generator=gen)
+        began = time.time()
         optimizer.zero_grad()  # start_quorum
         loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
         loss.backward()
@@ -149,7 +142,8 @@ def ddp_replica(cfg):
         silent = comp.held[-1].silent if comp.held else None
         optimizer.step()  # should_commit, then the optimizer step if committed
         error = manager.errored()
-        committed = manager.current_step() > step
+        after = manager.current_step()
+        committed = after > step
         with torch.no_grad():
             full = float(torch.nn.functional.cross_entropy(net(x), y))
         shared = comp.shared_state_dict()
@@ -157,10 +151,11 @@ def ddp_replica(cfg):
                               "participants": manager.num_participants(), "silent": silent,
                               "residual_before": sum(residuals.values()), "params": digest(net.parameters()),
                               "shared": digest([t for s in ("q", "p", "momentum") for t in shared[s].values()]),
-                              "state_step": comp.state.step, "loss": full, "pid": os.getpid(),
+                              "state_step": comp.state.step, "after": after, "loss": full, "pid": os.getpid(),
                               "stats_steps": comp.stats()["steps"], "world": comp.collectives.world,
                               "rank": comp.collectives.rank, "wire": comp.stats()["wire_bytes"],
-                              "error": None if error is None else repr(error.original_exception)[:300]}) + "\n")
+                              "error": None if error is None else repr(error.original_exception)[:300],
+                              "seconds": time.time() - began}) + "\n")
         log.flush()
     manager.shutdown(wait=False)
 
@@ -250,7 +245,36 @@ def group_replica(cfg):
     manager.shutdown(wait=False)
 
 
+def blocked_replica(cfg):
+    """A replica whose quorum never forms (the lighthouse wants 2, it is alone): while its backward waits on the
+    quorum inside the hook, another thread reads the compressor's state; logs how long each read took."""
+    x, y = data()
+    net = model()
+    manager, store = make_manager(cfg, (None, None))
+    ddp = gft.DistributedDataParallel(manager, net, cfg["spec"])
+    comp = ddp.compressor
+
+    def read():
+        time.sleep(1.0)
+        times = {}
+        for name, fn in (("state_dict", comp.state_dict), ("shared_state_dict", comp.shared_state_dict),
+                         ("stats", comp.stats)):
+            start = time.time()
+            fn()
+            times[name] = time.time() - start
+        times["waiting"] = comp.current_step is None and not comp.held  # the step has not begun: inside the wait
+        with open(cfg["log"], "a") as f:
+            f.write(json.dumps(times) + "\n")
+        os._exit(0)
+
+    threading.Thread(target=read, daemon=True).start()
+    manager.start_quorum()
+    torch.nn.functional.cross_entropy(ddp(x[:32]), y[:32]).backward()  # the hook waits for the quorum
+    os._exit(3)
+
+
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
-    {"ddp": ddp_replica, "diloco": diloco_replica, "group": group_replica}[cfg.get("kind", "ddp")](cfg)
+    kinds = {"ddp": ddp_replica, "diloco": diloco_replica, "group": group_replica, "blocked": blocked_replica}
+    kinds[cfg.get("kind", "ddp")](cfg)
     os._exit(0)

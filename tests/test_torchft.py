@@ -1,0 +1,229 @@
+"""gradcompress under torchft, with torchft's real lighthouse, real replica processes and real SIGKILLs.
+
+Each scenario starts torchft's ``LighthouseServer`` on 127.0.0.1 (a free port), replica processes
+(``tests/torchft_workers.py``) that train the digits MLP and log one JSON line per step, kills one by SIGKILL at a
+chosen step (or inside its exchange) and restarts it; the assertions read the logs. Each scenario is bounded
+(``SCENARIO_SECONDS``); every child is killed at the end whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+torchft = pytest.importorskip("torchft")
+
+from gradcompress.integrations.torchft import Lighthouse  # noqa: E402
+
+WORKERS = os.path.join(os.path.dirname(__file__), "torchft_workers.py")
+SCENARIO_SECONDS = 60
+HEARTBEAT_MS = 1000
+
+
+class Scenario:
+    """Replica processes around one lighthouse; ``rows()`` reads their log."""
+
+    def __init__(self, tmp_path, min_replicas: int = 1, **common):
+        self.dir, self.log = str(tmp_path), str(tmp_path / "log.jsonl")
+        open(self.log, "w").close()
+        self.lighthouse = Lighthouse(min_replicas=min_replicas, heartbeat_timeout_ms=HEARTBEAT_MS,
+                                     join_timeout_ms=200)
+        port = self.lighthouse.address.rsplit(":", 1)[1]
+        self.common = {"lighthouse": f"http://127.0.0.1:{port}", "log": self.log, "dir": self.dir, **common}
+        self.procs: list[subprocess.Popen] = []
+        self.start_time = time.time()
+
+    def start(self, replica: int, **cfg) -> subprocess.Popen:
+        cfg = {**self.common, "replica": replica, **cfg}
+        out = open(os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt"), "a")
+        proc = subprocess.Popen([sys.executable, WORKERS, json.dumps(cfg)], stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def rows(self) -> list[dict]:
+        with open(self.log) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_until(self, condition, what: str) -> None:
+        while not condition():
+            if time.time() - self.start_time > SCENARIO_SECONDS:
+                raise AssertionError(f"scenario timed out waiting for {what}; logs in {self.dir}")
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.wait_until(lambda: all(p.poll() is not None for p in self.procs), "every replica to finish")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        self.lighthouse.shutdown()
+
+
+@pytest.fixture
+def scenario(tmp_path):
+    made = []
+
+    def make(**kw):
+        where = tmp_path / f"s{len(made)}"
+        where.mkdir()
+        made.append(Scenario(where, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def run_kill_restart(scenario, spec, fault: bool, steps: int = 40, **cfg):
+    s = scenario(spec=spec, steps=steps, replicas=3, **cfg)
+    if not fault:
+        for i in range(3):
+            s.start(i)
+        s.finish()
+        return s.rows()
+    first = [s.start(0, pause_at=20), s.start(1, pause_at=20), s.start(2, kill_at=10)]
+    s.wait_until(lambda: first[2].poll() is not None, "replica 2 to die")
+    assert first[2].returncode == -9  # SIGKILL
+    s.wait_until(lambda: any(r["replica"] == 0 and r["step"] >= 19 for r in s.rows()), "survivors at step 19")
+    s.start(2, restarted=True)
+    s.finish()
+    assert [p.returncode for p in s.procs] == [0, 0, -9, 0]
+    return s.rows()
+
+
+def by_step(rows, committed_only=True):
+    out: dict[int, dict[int, dict]] = {}
+    for r in rows:
+        if r["committed"] or not committed_only:
+            out.setdefault(r["after"] - 1 if r["committed"] else r["step"], {})[r["replica"]] = r
+    return out
+
+
+@pytest.mark.parametrize("spec", ["int8", "powersgd:rank=2", "topk:ratio=0.01"])
+def test_kill_and_restart_keeps_training(scenario, spec):
+    """Kill replica 2 at step 10, restart it at step 20, train to 40: the survivors commit every step, nobody
+    commits a failed exchange, the healed replica matches its peers (parameters and shared compressor state) at
+    every step after healing, its residuals were zero at its first step, and the final loss is that of the run
+    without faults within 2 %."""
+    rows = run_kill_restart(scenario, spec, fault=True)
+    for r in rows:
+        assert not (r["error"] and r["committed"]), f"a failed exchange was committed: {r}"
+    survivors = [r for r in rows if r["replica"] in (0, 1)]
+    assert {r["step"] for r in survivors if r["committed"]} == set(range(40))
+    uncommitted = [r for r in survivors if not r["committed"]]
+    assert len(uncommitted) <= 2 * 2, uncommitted  # at most those within the heartbeat timeout of the kill
+    steps = by_step(rows)
+    assert all(len(steps[i]) == 2 and steps[i].keys() == {0, 1} for i in range(10, 20))
+    assert all(steps[i][0]["participants"] == 2 for i in range(10, 20))
+    healed = [r for r in rows if r["replica"] == 2 and r["pid"] != rows[0]["pid"]]
+    restarted = [r for r in healed if r["pid"] == healed[-1]["pid"]]
+    assert restarted[0]["silent"] is True  # the healing step: it sent zeros
+    assert restarted[1]["residual_before"] == 0.0  # its first own step starts from zero residuals
+    first = restarted[0]["after"] - 1
+    for i in range(first, 40):
+        group = steps[i]
+        assert group.keys() == {0, 1, 2}, (i, group.keys())
+        assert len({r["params"] for r in group.values()}) == 1, (i, group)
+        assert len({r["shared"] for r in group.values()}) == 1, (i, group)
+    assert all(steps[i][0]["participants"] == 3 for i in range(first + 1, 40))
+    clean = by_step(run_kill_restart(scenario, spec, fault=False))
+    assert len({r["params"] for r in clean[39].values()}) == 1
+    loss, reference = steps[39][0]["loss"], clean[39][0]["loss"]
+    assert abs(loss - reference) <= 0.02 * reference, (loss, reference)
+
+
+def test_none_equals_torchft_ddp_through_a_kill_and_a_heal(scenario):
+    """``"none"`` under our DDP is torchft's own DDP bit for bit through the same kill and restart: the mean
+    divides by the live participants, a healing replica contributes zeros, commits follow should_commit."""
+    ours = by_step(run_kill_restart(scenario, "none", fault=True, steps=30))
+    theirs = by_step(run_kill_restart(scenario, "none", fault=True, steps=30, torchft_ddp=True))
+    for i in range(30):
+        assert ours[i].keys() == theirs[i].keys(), i
+        assert {r["params"] for r in ours[i].values()} == {r["params"] for r in theirs[i].values()}, i
+
+
+def test_kill_inside_the_exchange_discards_the_step_everywhere(scenario):
+    """Replica 2 is SIGKILLed inside its step-10 exchange, between PowerSGD's two collective rounds: no survivor
+    hangs (its step returns within the group's timeout), the step is discarded by both, the next one commits."""
+    s = scenario(spec="powersgd:rank=2", steps=16, replicas=3, pg_timeout=5)
+    for i in range(2):
+        s.start(i)
+    victim = s.start(2, kill_in_exchange=10)
+    s.finish()
+    assert victim.returncode == -9
+    rows = s.rows()
+    for replica in (0, 1):
+        mine = [r for r in rows if r["replica"] == replica]
+        failed = [r for r in mine if not r["committed"]]
+        assert failed and all(r["step"] == 10 and r["error"] for r in failed), failed
+        assert all(r["seconds"] < 5 + HEARTBEAT_MS / 1000 + 5 for r in mine)
+        assert {r["step"] for r in mine if r["committed"]} == set(range(16))
+        after = [r for r in mine if r["committed"] and r["step"] >= 10]
+        assert all(r["participants"] == 2 for r in after)
+    assert len({r["params"] for r in rows if r["committed"] and r["step"] == 15}) == 1
+
+
+def test_diloco_replica_killed_between_syncs_heals_at_the_next(scenario):
+    """DiLoCo (H = 10, int4) under torchft: replica 2 killed at inner step 15 and restarted; the sync at 20
+    averages the two live replicas; the restarted one heals at its first sync (anchor, outer state, counters) and
+    every anchor is equal after each sync; the later syncs average all three."""
+    s = scenario(min_replicas=2, kind="diloco", spec="int4", steps=50, sync_every=10, replicas=3)
+    first = [s.start(0, pause_at=29), s.start(1, pause_at=29), s.start(2, kill_at=15)]
+    s.wait_until(lambda: first[2].poll() is not None, "replica 2 to die")
+    s.wait_until(lambda: any(r["replica"] == 0 and r["inner_steps"] >= 20 for r in s.rows()), "the sync at 20")
+    s.start(2, restarted=True)
+    s.finish()
+    assert first[2].returncode == -9
+    syncs: dict[int, dict[int, dict]] = {}
+    for r in s.rows():
+        syncs.setdefault(r["inner_steps"], {})[r["replica"]] = r
+    assert syncs[20].keys() == {0, 1} and syncs[20][0]["participants"] == 2
+    for at in (10, 20, 30, 40, 50):
+        assert len({r["anchor"] for r in syncs[at].values()}) == 1, (at, syncs[at])
+        assert all(r["skipped"] == 0 for r in syncs[at].values())
+    assert syncs[30].keys() == {0, 1, 2}  # healed at the sync at 30 (it sent zeros there)
+    assert syncs[40][0]["participants"] == 3 and syncs[50][0]["participants"] == 3
+
+
+def test_replica_groups_of_two_processes(scenario):
+    """Replica groups of 2 processes (DDP inside each group on its own gloo group, gradcompress between groups):
+    group 2 (both processes) killed at step 10 and restarted at 20: every process of every group holds the same
+    parameters at every step once healed, the survivors commit every step."""
+    s = scenario(kind="group", spec="int8", steps=30, replicas=3)
+    first = [s.start(i, group_rank=g, **({"kill_at": 10} if i == 2 else {"pause_at": 20}))
+             for i in range(3) for g in range(2)]
+    s.wait_until(lambda: first[4].poll() is not None and first[5].poll() is not None, "group 2 to die")
+    s.wait_until(lambda: any(r["replica"] == 0 and r["step"] >= 19 for r in s.rows()), "survivors at step 19")
+    os.remove(os.path.join(s.dir, "store2"))
+    for g in range(2):
+        s.start(2, group_rank=g, restarted=True)
+    s.finish()
+    assert [p.returncode for p in s.procs] == [0, 0, 0, 0, -9, -9, 0, 0]
+    rows = s.rows()
+    steps: dict[int, list] = {}
+    for r in rows:
+        if r["committed"]:
+            steps.setdefault(r["state_step"] - 1, []).append(r)
+    for i in range(30):
+        assert len({r["params"] for r in steps[i]}) == 1, (i, steps[i])
+    assert all({(r["replica"], r["group_rank"]) for r in steps[i]} >= {(0, 0), (0, 1), (1, 0), (1, 1)}
+               for i in range(30))
+    assert len(steps[29]) == 6
+
+
+def test_state_dict_never_waits_on_the_quorum(scenario):
+    """While a step waits on a quorum that does not form, another thread reads state_dict, the shared state and
+    stats at once (torchft calls the state functions from its quorum thread)."""
+    s = scenario(min_replicas=2, kind="blocked", spec="powersgd:rank=2", quorum_timeout=30)
+    proc = s.start(0)
+    s.wait_until(lambda: proc.poll() is not None, "the reading thread")
+    assert proc.returncode == 0
+    (times,) = s.rows()
+    assert times.pop("waiting") is True
+    assert max(times.values()) < 0.5, times
