@@ -8,61 +8,17 @@ chosen step (or inside its exchange) and restarts it; the assertions read the lo
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 
 torchft = pytest.importorskip("torchft")
 
-from gradcompress.integrations.torchft import Lighthouse  # noqa: E402
+from gradcompress.testbed import faults  # noqa: E402
 
-WORKERS = os.path.join(os.path.dirname(__file__), "torchft_workers.py")
-SCENARIO_SECONDS = 60
+WORKERS = [sys.executable, os.path.join(os.path.dirname(__file__), "torchft_workers.py")]
 HEARTBEAT_MS = 1000
-
-
-class Scenario:
-    """Replica processes around one lighthouse; ``rows()`` reads their log."""
-
-    def __init__(self, tmp_path, min_replicas: int = 1, **common):
-        self.dir, self.log = str(tmp_path), str(tmp_path / "log.jsonl")
-        open(self.log, "w").close()
-        self.lighthouse = Lighthouse(min_replicas=min_replicas, heartbeat_timeout_ms=HEARTBEAT_MS,
-                                     join_timeout_ms=200)
-        port = self.lighthouse.address.rsplit(":", 1)[1]
-        self.common = {"lighthouse": f"http://127.0.0.1:{port}", "log": self.log, "dir": self.dir, **common}
-        self.procs: list[subprocess.Popen] = []
-        self.start_time = time.time()
-
-    def start(self, replica: int, **cfg) -> subprocess.Popen:
-        cfg = {**self.common, "replica": replica, **cfg}
-        out = open(os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt"), "a")
-        proc = subprocess.Popen([sys.executable, WORKERS, json.dumps(cfg)], stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
-
-    def rows(self) -> list[dict]:
-        with open(self.log) as f:
-            return [json.loads(line) for line in f if line.strip()]
-
-    def wait_until(self, condition, what: str) -> None:
-        while not condition():
-            if time.time() - self.start_time > SCENARIO_SECONDS:
-                raise AssertionError(f"scenario timed out waiting for {what}; logs in {self.dir}")
-            time.sleep(0.05)
-
-    def finish(self) -> None:
-        self.wait_until(lambda: all(p.poll() is not None for p in self.procs), "every replica to finish")
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        self.lighthouse.shutdown()
 
 
 @pytest.fixture
@@ -70,9 +26,7 @@ def scenario(tmp_path):
     made = []
 
     def make(**kw):
-        where = tmp_path / f"s{len(made)}"
-        where.mkdir()
-        made.append(Scenario(where, **kw))
+        made.append(faults.Scenario(str(tmp_path / f"s{len(made)}"), command=WORKERS, heartbeat_ms=HEARTBEAT_MS, **kw))
         return made[-1]
 
     yield make
@@ -80,21 +34,12 @@ def scenario(tmp_path):
         s.close()
 
 
-def run_kill_restart(scenario, spec, fault: bool, steps: int = 40, **cfg):
-    s = scenario(spec=spec, steps=steps, replicas=3, **cfg)
-    if not fault:
-        for i in range(3):
-            s.start(i)
-        s.finish()
-        return s.rows()
-    first = [s.start(0, pause_at=20), s.start(1, pause_at=20), s.start(2, kill_at=10)]
-    s.wait_until(lambda: first[2].poll() is not None, "replica 2 to die")
-    assert first[2].returncode == -9  # SIGKILL
-    s.wait_until(lambda: any(r["replica"] == 0 and r["step"] >= 19 for r in s.rows()), "survivors at step 19")
-    s.start(2, restarted=True)
-    s.finish()
-    assert [p.returncode for p in s.procs] == [0, 0, -9, 0]
-    return s.rows()
+def run_kill_restart(tmp_path, spec, fault: bool, steps: int = 40, **cfg):
+    rows = faults.kill_and_restart(str(tmp_path / f"{spec}-{fault}-{cfg}"), spec, steps=steps,
+                                   kill_at=10 if fault else None, **cfg)
+    pids = {r["pid"] for r in rows}
+    assert len(pids) == (4 if fault else 3)  # the victim was restarted as a new process
+    return rows
 
 
 def by_step(rows, committed_only=True):
@@ -105,13 +50,14 @@ def by_step(rows, committed_only=True):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["int8", "powersgd:rank=2", "topk:ratio=0.01"])
-def test_kill_and_restart_keeps_training(scenario, spec):
+def test_kill_and_restart_keeps_training(tmp_path, spec):
     """Kill replica 2 at step 10, restart it at step 20, train to 40: the survivors commit every step, nobody
     commits a failed exchange, the healed replica matches its peers (parameters and shared compressor state) at
     every step after healing, its residuals were zero at its first step, and the final loss is that of the run
     without faults within 2 %."""
-    rows = run_kill_restart(scenario, spec, fault=True)
+    rows = run_kill_restart(tmp_path, spec, fault=True)
     for r in rows:
         assert not (r["error"] and r["committed"]), f"a failed exchange was committed: {r}"
     survivors = [r for r in rows if r["replica"] in (0, 1)]
@@ -132,17 +78,18 @@ def test_kill_and_restart_keeps_training(scenario, spec):
         assert len({r["params"] for r in group.values()}) == 1, (i, group)
         assert len({r["shared"] for r in group.values()}) == 1, (i, group)
     assert all(steps[i][0]["participants"] == 3 for i in range(first + 1, 40))
-    clean = by_step(run_kill_restart(scenario, spec, fault=False))
+    clean = by_step(run_kill_restart(tmp_path, spec, fault=False))
     assert len({r["params"] for r in clean[39].values()}) == 1
     loss, reference = steps[39][0]["loss"], clean[39][0]["loss"]
     assert abs(loss - reference) <= 0.02 * reference, (loss, reference)
 
 
-def test_none_equals_torchft_ddp_through_a_kill_and_a_heal(scenario):
+@pytest.mark.slow
+def test_none_equals_torchft_ddp_through_a_kill_and_a_heal(tmp_path):
     """``"none"`` under our DDP is torchft's own DDP bit for bit through the same kill and restart: the mean
     divides by the live participants, a healing replica contributes zeros, commits follow should_commit."""
-    ours = by_step(run_kill_restart(scenario, "none", fault=True, steps=30))
-    theirs = by_step(run_kill_restart(scenario, "none", fault=True, steps=30, torchft_ddp=True))
+    ours = by_step(run_kill_restart(tmp_path, "none", fault=True, steps=30))
+    theirs = by_step(run_kill_restart(tmp_path, "none", fault=True, steps=30, torchft_ddp=True))
     for i in range(30):
         assert ours[i].keys() == theirs[i].keys(), i
         assert {r["params"] for r in ours[i].values()} == {r["params"] for r in theirs[i].values()}, i
@@ -169,6 +116,7 @@ def test_kill_inside_the_exchange_discards_the_step_everywhere(scenario):
     assert len({r["params"] for r in rows if r["committed"] and r["step"] == 15}) == 1
 
 
+@pytest.mark.slow
 def test_diloco_replica_killed_between_syncs_heals_at_the_next(scenario):
     """DiLoCo (H = 10, int4) under torchft: replica 2 killed at inner step 15 and restarted; the sync at 20
     averages the two live replicas; the restarted one heals at its first sync (anchor, outer state, counters) and
@@ -191,6 +139,7 @@ def test_diloco_replica_killed_between_syncs_heals_at_the_next(scenario):
     assert syncs[40][0]["participants"] == 3 and syncs[50][0]["participants"] == 3
 
 
+@pytest.mark.slow
 def test_replica_groups_of_two_processes(scenario):
     """Replica groups of 2 processes (DDP inside each group on its own gloo group, gradcompress between groups):
     group 2 (both processes) killed at step 10 and restarted at 20: every process of every group holds the same

@@ -1,0 +1,282 @@
+"""Fault scenarios under torchft: replica processes around torchft's own lighthouse, killed by SIGKILL and restarted.
+
+What ``gradcompress train --fault-tolerant``, ``gradcompress demo --faults`` and the tests run. Each replica is one
+process (one torchft replica group of one worker): a real ``torchft.Manager`` talking to a real lighthouse
+(:class:`gradcompress.integrations.torchft.Lighthouse`), the digits MLP under gradcompress's torchft DDP, torchft's
+``OptimizerWrapper``; it writes one JSON line per step (:func:`replica_main`). A replica can SIGKILL itself at a
+chosen step (``kill_at``) or inside its exchange, after the first collective round (``kill_in_exchange``);
+:class:`Scenario` starts replicas, restarts one and reads the log; :func:`kill_and_restart` is the standard
+scenario and :func:`summarize` what it showed. Run one replica: ``python -m gradcompress.testbed.faults '<json>'``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+from ..integrations import torchft as gft
+
+#: a replica's own script (``python -m gradcompress.testbed.faults``)
+SELF = [sys.executable, "-m", "gradcompress.testbed.faults"]
+
+
+def data():
+    """The handwritten digits (scikit-learn), scaled to [0, 1]: (inputs, labels)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+
+
+def model(hidden: int = 32):
+    """The MLP every replica starts from (seed 0: the same on every replica)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def make_manager(cfg, state_fns, group_rank=0, group_world=1, store_port=None):
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+    from torch.distributed import TCPStore
+
+    store = None
+    if store_port is None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
+    load, save = state_fns
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg.get("pg_timeout", 5))),
+                      load_state_dict=load, state_dict=save, min_replica_size=cfg.get("min_replicas", 1),
+                      replica_id=f"replica_{cfg['replica']}", store_addr="127.0.0.1", store_port=store_port,
+                      rank=group_rank, world_size=group_world, lighthouse_addr=cfg["lighthouse"],
+                      hostname="127.0.0.1", timeout=timedelta(seconds=cfg.get("timeout", 10)),
+                      quorum_timeout=timedelta(seconds=cfg.get("quorum_timeout", 30)),
+                      connect_timeout=timedelta(seconds=10))
+    return manager, store
+
+
+def wait_for(path: str, timeout: float = 60.0) -> None:
+    end = time.time() + timeout
+    while not os.path.exists(path):
+        if time.time() > end:
+            raise TimeoutError(path)
+        time.sleep(0.02)
+
+
+def rendezvous(cfg, announce: bool = True) -> None:
+    """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
+    replica announces itself (its Manager heartbeats now) and goes straight to its first quorum."""
+    if cfg.get("restarted"):
+        if announce:
+            open(os.path.join(cfg["dir"], "rejoined"), "w").close()
+        return
+    open(os.path.join(cfg["dir"], f"ready{cfg['replica']}"), "w").close()
+    for i in range(cfg["replicas"]):
+        wait_for(os.path.join(cfg["dir"], f"ready{i}"))
+
+
+def kill_inside_exchange(compressor, at_step: int) -> None:
+    """SIGKILL this process inside the exchange of step ``at_step``, after its first collective round."""
+    comm = compressor.collectives
+    wait = comm.wait
+
+    def wait_then_die(works):
+        wait(works)
+        if compressor.manager.current_step() == at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    comm.wait = wait_then_die
+
+
+def replica_main(cfg):
+    """One replica (one process) training with gradcompress's torchft DDP; logs each step."""
+    from torchft.optim import OptimizerWrapper
+
+    x, y = data()
+    net = model(cfg.get("hidden", 32))
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.get("lr", 0.1))
+
+    def save():
+        return {"model": net.state_dict(), "optim": opt.state_dict()}
+
+    def load(sd):
+        net.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+
+    manager, store = make_manager(cfg, (load, save))
+    if cfg.get("torchft_ddp"):  # torchft's own DDP (its dense all-reduce), the reference for "none"
+        from torchft.ddp import DistributedDataParallel
+
+        ddp = DistributedDataParallel(manager, net)
+        comp = gft.Compressor("none", manager)  # unused by the model: its log fields stay empty
+    else:
+        ddp = gft.DistributedDataParallel(manager, net, cfg["spec"], **cfg.get("options", {}))
+        comp = ddp.compressor
+    optimizer = OptimizerWrapper(manager, opt)
+    if cfg.get("kill_in_exchange") is not None:
+        kill_inside_exchange(comp, cfg["kill_in_exchange"])
+    log = open(cfg["log"], "a")
+    gen = torch.Generator().manual_seed(1000 + cfg["replica"])
+    rendezvous(cfg)
+    while manager.current_step() < cfg["steps"]:
+        step = manager.current_step()
+        if cfg.get("kill_at") == step:
+            log.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("pause_at") == step:
+            wait_for(os.path.join(cfg["dir"], "rejoined"))
+        idx = torch.randint(0, len(x), (cfg.get("batch_size", 32),), generator=gen)
+        began = time.time()
+        optimizer.zero_grad()  # start_quorum
+        loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+        loss.backward()
+        residuals = {k: float(v.abs().sum()) for k, v in comp.residual.items()}
+        silent = comp.held[-1].silent if comp.held else None
+        optimizer.step()  # should_commit, then the optimizer step if committed
+        error = manager.errored()
+        after = manager.current_step()
+        committed = after > step
+        with torch.no_grad():
+            out = net(x)
+            full = float(torch.nn.functional.cross_entropy(out, y))
+            accuracy = float((out.argmax(1) == y).float().mean())
+        shared = comp.shared_state_dict()
+        log.write(json.dumps({"replica": cfg["replica"], "step": step, "committed": committed,
+                              "participants": manager.num_participants(), "silent": silent,
+                              "residual_before": sum(residuals.values()), "params": digest(net.parameters()),
+                              "shared": digest([t for s in ("q", "p", "momentum") for t in shared[s].values()]),
+                              "state_step": comp.state.step, "after": after, "loss": full, "accuracy": accuracy,
+                              "pid": os.getpid(), "time": time.time(),
+                              "stats_steps": comp.stats()["steps"], "world": comp.collectives.world,
+                              "rank": comp.collectives.rank, "wire": comp.stats()["wire_bytes"],
+                              "error": None if error is None else repr(error.original_exception)[:300],
+                              "seconds": time.time() - began}) + "\n")
+        log.flush()
+    manager.shutdown(wait=False)
+
+
+# --------------------------------------------------------------------------- scenarios
+class Scenario:
+    """Replica processes around one lighthouse (torchft's, on 127.0.0.1) in folder ``where``; ``rows()`` reads
+    their log. ``command``: how to start a replica (default: this module). ``close()`` kills what still runs."""
+
+    def __init__(self, where: str, min_replicas: int = 1, *, command=None, limit: float = 60.0,
+                 heartbeat_ms: int = 1000, lighthouse: str | None = None, **common):
+        os.makedirs(where, exist_ok=True)
+        self.dir, self.log, self.limit = where, os.path.join(where, "log.jsonl"), limit
+        open(self.log, "w").close()
+        self.lighthouse = None
+        if lighthouse is None:
+            self.lighthouse = gft.Lighthouse(min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_ms,
+                                             join_timeout_ms=200)
+            lighthouse = "127.0.0.1:" + self.lighthouse.address.rsplit(":", 1)[1]
+        address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+        self.common = {"lighthouse": address, "log": self.log, "dir": where, **common}
+        self.command = command or SELF
+        self.procs: list[subprocess.Popen] = []
+        self.start_time = time.time()
+
+    def start(self, replica: int, **cfg) -> subprocess.Popen:
+        cfg = {**self.common, "replica": replica, **cfg}
+        out = open(os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt"), "a")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))] + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+        proc = subprocess.Popen([*self.command, json.dumps(cfg)], stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def rows(self) -> list[dict]:
+        with open(self.log) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_until(self, condition, what: str) -> None:
+        while not condition():
+            if time.time() - self.start_time > self.limit:
+                raise TimeoutError(f"fault scenario: timed out after {self.limit:.0f} s waiting for {what}; the "
+                                   f"replicas' logs are in {self.dir}")
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.wait_until(lambda: all(p.poll() is not None for p in self.procs), "every replica to finish")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+
+def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
+                     restart_at: int | None = 20, lighthouse: str | None = None, limit: float = 60.0,
+                     **cfg) -> list[dict]:
+    """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
+    fault) and is restarted when the others reach ``restart_at`` (they wait there until it is back, so the run
+    shows the heal). Returns the log's rows."""
+    s = Scenario(where, lighthouse=lighthouse, limit=limit, spec=spec, steps=steps, replicas=replicas, **cfg)
+    try:
+        victim = replicas - 1
+        pause = {} if kill_at is None or restart_at is None else {"pause_at": restart_at}
+        first = [s.start(i, **pause) for i in range(victim)]
+        first.append(s.start(victim, **({} if kill_at is None else {"kill_at": kill_at})))
+        if kill_at is not None:
+            s.wait_until(lambda: first[-1].poll() is not None, f"replica {victim} to die")
+            if restart_at is not None:
+                s.wait_until(lambda: any(r["replica"] == 0 and r["step"] >= restart_at - 1 for r in s.rows()),
+                             f"the survivors at step {restart_at - 1}")
+                s.start(victim, restarted=True)
+        s.finish()
+        bad = [p.returncode for p in s.procs if p.returncode not in (0, -signal.SIGKILL)]
+        if bad:
+            raise RuntimeError(f"fault scenario: a replica failed (exit codes {bad}); logs in {s.dir}")
+        return s.rows()
+    finally:
+        s.close()
+
+
+def summarize(rows: list[dict], replicas: int) -> dict:
+    """What a scenario showed: each replica's committed steps, the quorum size per committed step, whether every
+    replica ended with the same parameters, the final loss and accuracy, the stall after the kill (from the last
+    step the victim finished to the survivors' next committed step, seconds)."""
+    final = {}
+    for r in rows:
+        if r["committed"]:
+            final[r["replica"]] = r
+    committed = {i: sorted(r["after"] - 1 for r in rows if r["replica"] == i and r["committed"])
+                 for i in range(replicas)}
+    quorum = {}
+    for r in rows:
+        if r["committed"] and r["replica"] == 0:
+            quorum[r["after"] - 1] = r["participants"]
+    victim = [r for r in rows if r["replica"] == replicas - 1]
+    stall = None
+    first_pid = victim[0]["pid"] if victim else None
+    before = [r for r in victim if r["pid"] == first_pid]
+    if before and len({r["pid"] for r in victim}) > 1 or before and before[-1]["after"] < max(quorum, default=0):
+        died = before[-1]["time"]
+        later = [r["time"] for r in rows if r["replica"] == 0 and r["committed"] and r["time"] > died]
+        stall = min(later) - died if later else None
+    ends = list(final.values())
+    return {"committed": committed, "quorum": quorum, "stall_seconds": stall,
+            "equal": len({r["params"] for r in ends}) == 1 and len(ends) == replicas,
+            "loss": ends[0]["loss"] if ends else None, "accuracy": ends[0]["accuracy"] if ends else None,
+            "uncommitted": sum(not r["committed"] for r in rows)}
+
+
+if __name__ == "__main__":
+    replica_main(json.loads(sys.argv[1]))
+    os._exit(0)
