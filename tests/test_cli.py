@@ -135,6 +135,11 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["train", "--codec", "int8:compressed_adam=true", "--fsdp"], "--fsdp does not apply"),
     (["train", "--codec", "int8", "--hsdp"], "--hsdp and --params apply to --fsdp runs"),
     (["train", "--codec", "int8", "--fsdp", "--params", "int4"], "invalid choice"),
+    (["train", "--codec", "int8", "--kill-at", "5"], "apply to --fault-tolerant runs"),
+    (["train", "--codec", "int8", "--fault-tolerant", "--kill-at", "5", "--restart-at", "3"], "--restart-at needs"),
+    (["train", "--codec", "int8", "--fault-tolerant", "--kill-at", "500"], "must be below --steps"),
+    (["train", "--codec", "auto", "--fault-tolerant"], "not supported there"),
+    (["train", "--codec", "int8", "--fault-tolerant", "--diloco", "5"], "do not apply"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))
@@ -218,3 +223,18 @@ def test_bench_versus_torch_hooks_json(capsys):
     assert names[0] == "DDP (no hook)" and "torch fp16_compress_hook" in names and "powersgd:rank=4" in names
     assert data["variants"][0]["vs_ddp"] == 1.0
     assert all(v["step_seconds"] > 0 for v in data["variants"])
+
+
+@pytest.mark.slow
+def test_fault_tolerant_train_survives_a_killed_replica(capsys):
+    """``train --fault-tolerant``: torchft's lighthouse, 3 replicas, one SIGKILLed at step 10 and restarted at 20:
+    the survivors commit every step, the restarted one the steps after it healed, all end equal."""
+    pytest.importorskip("torchft")
+    rc = main(["train", "--fault-tolerant", "--codec", "int8", "--replicas", "3", "--steps", "30", "--kill-at", "10",
+               "--restart-at", "20"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "replica 0: 30; replica 1: 30; replica 2: " in out and "equal parameters: yes" in out
+    healed = 30 - int(out.split("replica 2: ")[1].split(";")[0]) + 10  # it rejoined at step 20 or a little later
+    assert 20 <= healed <= 23, out
+    assert f"quorum: 3 x 10, 2 x {healed - 9}, 3 x {30 - healed - 1}" in out

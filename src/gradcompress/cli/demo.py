@@ -119,6 +119,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seed of the data split, initial weights, minibatches and codecs (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--faults", action="store_true",
+                   help="instead: the fault scenario under torchft (digits, 3 replicas, int8 and powersgd:rank=2, "
+                        "each without and with a replica SIGKILLed at step 30 and restarted at step 60); writes "
+                        "faults.json and faults.png; needs pip install 'gradcompress[torchft]'")
     p.set_defaults(run=run)
     return p
 
@@ -174,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     from .. import __version__
     from ..testbed import launch
 
+    if args.faults:
+        from . import faults
+
+        return faults.demo(args)
     schemes = split_schemes(args.schemes) if args.schemes else list(DEFAULT_SCHEMES)
     if not schemes:
         raise CLIError("--schemes is empty")

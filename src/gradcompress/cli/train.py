@@ -33,6 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "  gradcompress train --codec topk:ratio=0.01 --steps 300\n"
                "  gradcompress train --codec onebitadam\n"
                "  gradcompress train --task lm --codec decoupled:topk=32,chunk=64\n"
+               "  gradcompress train --fault-tolerant --codec int8 --replicas 3 --kill-at 30 --restart-at 60\n"
                "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --codec powersgd:rank=2")
     p.add_argument("--codec", required=True, metavar="SPEC",
                    help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2), onebitadam or decoupled (DeMo); "
@@ -70,6 +71,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--params", choices=("int8", "bf16"), default=None,
                    help="with --fsdp: compress the parameter all-gathers (int8 blocks of 2048 values, or bf16); "
                         "the sharded parameters stay exact (default: exact all-gathers)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="under torchft: --replicas replica processes around torchft's lighthouse (started on "
+                        "127.0.0.1 unless --lighthouse is given), the codec on gradcompress's torchft DDP; needs "
+                        "pip install 'gradcompress[torchft]'")
+    p.add_argument("--replicas", type=positive_int, default=3, help="with --fault-tolerant: replicas (default 3)")
+    p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                   help="with --fault-tolerant: a running torchft lighthouse to use")
+    p.add_argument("--kill-at", type=nonnegative_int, default=None, metavar="STEP",
+                   help="with --fault-tolerant: the last replica SIGKILLs itself at this step")
+    p.add_argument("--restart-at", type=positive_int, default=None, metavar="STEP",
+                   help="with --kill-at: restart it when the others reach this step")
     p.add_argument("--out", default=None, help="folder for results.json (default: write nothing)")
     p.set_defaults(run=run)
     return p
@@ -81,6 +93,13 @@ def under_torchrun() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from ..testbed import launch
+
+    if args.fault_tolerant:
+        from . import faults
+
+        return faults.train(args)
+    if args.lighthouse or args.kill_at is not None or args.restart_at is not None:
+        raise CLIError("--lighthouse, --kill-at and --restart-at apply to --fault-tolerant runs; add it")
 
     check(args.codec, fsdp=args.fsdp, diloco=bool(args.diloco))  # the scheme, and with --fsdp and --diloco
     if scheme_name(args.codec) == ONEBITADAM:

@@ -36,9 +36,9 @@ def data():
     return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
 
 
-def model(hidden: int = 32):
-    """The MLP every replica starts from (seed 0: the same on every replica)."""
-    torch.manual_seed(0)
+def model(hidden: int = 32, seed: int = 0):
+    """The MLP every replica starts from (the same seed on every replica)."""
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
@@ -107,7 +107,7 @@ def replica_main(cfg):
     from torchft.optim import OptimizerWrapper
 
     x, y = data()
-    net = model(cfg.get("hidden", 32))
+    net = model(cfg.get("hidden", 32), cfg.get("seed", 0))
     opt = torch.optim.SGD(net.parameters(), lr=cfg.get("lr", 0.1))
 
     def save():
@@ -130,7 +130,7 @@ def replica_main(cfg):
     if cfg.get("kill_in_exchange") is not None:
         kill_inside_exchange(comp, cfg["kill_in_exchange"])
     log = open(cfg["log"], "a")
-    gen = torch.Generator().manual_seed(1000 + cfg["replica"])
+    gen = torch.Generator().manual_seed(1000 + cfg["replica"] + 7919 * cfg.get("seed", 0))
     rendezvous(cfg)
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
@@ -249,27 +249,28 @@ def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 4
 
 
 def summarize(rows: list[dict], replicas: int) -> dict:
-    """What a scenario showed: each replica's committed steps, the quorum size per committed step, whether every
-    replica ended with the same parameters, the final loss and accuracy, the stall after the kill (from the last
-    step the victim finished to the survivors' next committed step, seconds)."""
-    final = {}
+    """What a scenario showed: each replica's committed steps, the quorum size per committed step (replica 0's
+    view), whether every replica ended with the same parameters, the final loss and accuracy, the rows not
+    committed, and ``stall_seconds``: the longest wait between two of replica 0's commits in the 5 steps after
+    the victim's last logged step, less the median wait before it (None without a kill)."""
+    final, quorum, times = {}, {}, {}
     for r in rows:
         if r["committed"]:
             final[r["replica"]] = r
+            if r["replica"] == 0:
+                quorum[r["after"] - 1], times[r["after"] - 1] = r["participants"], r["time"]
     committed = {i: sorted(r["after"] - 1 for r in rows if r["replica"] == i and r["committed"])
                  for i in range(replicas)}
-    quorum = {}
-    for r in rows:
-        if r["committed"] and r["replica"] == 0:
-            quorum[r["after"] - 1] = r["participants"]
     victim = [r for r in rows if r["replica"] == replicas - 1]
     stall = None
-    first_pid = victim[0]["pid"] if victim else None
-    before = [r for r in victim if r["pid"] == first_pid]
-    if before and len({r["pid"] for r in victim}) > 1 or before and before[-1]["after"] < max(quorum, default=0):
-        died = before[-1]["time"]
-        later = [r["time"] for r in rows if r["replica"] == 0 and r["committed"] and r["time"] > died]
-        stall = min(later) - died if later else None
+    if victim and len({r["pid"] for r in victim}) > 1 or victim and victim[-1]["after"] < max(quorum, default=0):
+        first = [r for r in victim if r["pid"] == victim[0]["pid"]]
+        k = first[-1]["after"]  # the step the victim did not finish
+        gaps = {s: times[s] - times[s - 1] for s in times if s - 1 in times}
+        normal = sorted(g for s, g in gaps.items() if s < k)
+        around = [g for s, g in gaps.items() if k <= s <= k + 5]
+        if normal and around:
+            stall = max(0.0, max(around) - normal[len(normal) // 2])
     ends = list(final.values())
     return {"committed": committed, "quorum": quorum, "stall_seconds": stall,
             "equal": len({r["params"] for r in ends}) == 1 and len(ends) == replicas,
