@@ -62,7 +62,7 @@ def run_one(spec: str, where: str, *, kill: bool, lighthouse=None, **scenario) -
     if not kill:
         cfg["kill_at"] = None
     rows = faults.kill_and_restart(where, spec, lighthouse=lighthouse, limit=120 + 0.5 * cfg["steps"], **cfg)
-    summary = faults.summarize(rows, cfg["replicas"])
+    summary = faults.summarize(rows, cfg["replicas"], faults.killed_at(where))
     summary.update(spec=spec, faults=kill, rows=rows)
     return summary
 

@@ -89,7 +89,14 @@ def rendezvous(cfg, announce: bool = True) -> None:
         wait_for(os.path.join(cfg["dir"], f"ready{i}"))
 
 
-def kill_inside_exchange(compressor, at_step: int) -> None:
+def die(directory: str) -> None:
+    """SIGKILL this process, after writing the time into ``directory/killed_at`` (the stall is measured from it)."""
+    with open(os.path.join(directory, "killed_at"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_inside_exchange(compressor, at_step: int, directory: str) -> None:
     """SIGKILL this process inside the exchange of step ``at_step``, after its first collective round."""
     comm = compressor.collectives
     wait = comm.wait
@@ -97,7 +104,7 @@ def kill_inside_exchange(compressor, at_step: int) -> None:
     def wait_then_die(works):
         wait(works)
         if compressor.manager.current_step() == at_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            die(directory)
 
     comm.wait = wait_then_die
 
@@ -128,7 +135,7 @@ def replica_main(cfg):
         comp = ddp.compressor
     optimizer = OptimizerWrapper(manager, opt)
     if cfg.get("kill_in_exchange") is not None:
-        kill_inside_exchange(comp, cfg["kill_in_exchange"])
+        kill_inside_exchange(comp, cfg["kill_in_exchange"], cfg["dir"])
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"] + 7919 * cfg.get("seed", 0))
     rendezvous(cfg)
@@ -136,7 +143,7 @@ def replica_main(cfg):
         step = manager.current_step()
         if cfg.get("kill_at") == step:
             log.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            die(cfg["dir"])
         if cfg.get("pause_at") == step:
             wait_for(os.path.join(cfg["dir"], "rejoined"))
         idx = torch.randint(0, len(x), (cfg.get("batch_size", 32),), generator=gen)
@@ -183,7 +190,7 @@ class Scenario:
         if lighthouse is None:
             self.lighthouse = gft.Lighthouse(min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_ms,
                                              join_timeout_ms=200)
-            lighthouse = "127.0.0.1:" + self.lighthouse.address.rsplit(":", 1)[1]
+            lighthouse = self.lighthouse.address
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.common = {"lighthouse": address, "log": self.log, "dir": where, **common}
         self.command = command or SELF
@@ -248,31 +255,27 @@ def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 4
         s.close()
 
 
-def summarize(rows: list[dict], replicas: int) -> dict:
+def killed_at(where: str) -> float | None:
+    """When the victim SIGKILLed itself in the scenario run in ``where`` (None: nobody was killed)."""
+    path = os.path.join(where, "killed_at")
+    return float(open(path).read()) if os.path.exists(path) else None
+
+
+def summarize(rows: list[dict], replicas: int, killed: float | None = None) -> dict:
     """What a scenario showed: each replica's committed steps, the quorum size per committed step (replica 0's
     view), whether every replica ended with the same parameters, the final loss and accuracy, the rows not
-    committed, and ``stall_seconds``: the longest wait between two of replica 0's commits in the 5 steps after
-    the victim's last logged step, less the median wait before it (None without a kill)."""
-    final, quorum, times = {}, {}, {}
+    committed, and ``stall_seconds``: from the kill (``killed``, :func:`killed_at`) to replica 0's next commit."""
+    final, quorum = {}, {}
     for r in rows:
         if r["committed"]:
             final[r["replica"]] = r
             if r["replica"] == 0:
-                quorum[r["after"] - 1], times[r["after"] - 1] = r["participants"], r["time"]
+                quorum[r["after"] - 1] = r["participants"]
     committed = {i: sorted(r["after"] - 1 for r in rows if r["replica"] == i and r["committed"])
                  for i in range(replicas)}
-    victim = [r for r in rows if r["replica"] == replicas - 1]
-    stall = None
-    if victim and len({r["pid"] for r in victim}) > 1 or victim and victim[-1]["after"] < max(quorum, default=0):
-        first = [r for r in victim if r["pid"] == victim[0]["pid"]]
-        k = first[-1]["after"]  # the step the victim did not finish
-        gaps = {s: times[s] - times[s - 1] for s in times if s - 1 in times}
-        normal = sorted(g for s, g in gaps.items() if s < k)
-        around = [g for s, g in gaps.items() if k <= s <= k + 5]
-        if normal and around:
-            stall = max(0.0, max(around) - normal[len(normal) // 2])
+    later = [r["time"] for r in rows if r["replica"] == 0 and r["committed"] and killed and r["time"] > killed]
     ends = list(final.values())
-    return {"committed": committed, "quorum": quorum, "stall_seconds": stall,
+    return {"committed": committed, "quorum": quorum, "stall_seconds": min(later) - killed if later else None,
             "equal": len({r["params"] for r in ends}) == 1 and len(ends) == replicas,
             "loss": ends[0]["loss"] if ends else None, "accuracy": ends[0]["accuracy"] if ends else None,
             "uncommitted": sum(not r["committed"] for r in rows)}

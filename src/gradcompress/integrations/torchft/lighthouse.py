@@ -10,16 +10,17 @@ from __future__ import annotations
 
 class Lighthouse:
     """``with Lighthouse(min_replicas=1) as lh: ... lh.address``: torchft's own ``LighthouseServer`` in this
-    process, bound to 127.0.0.1 on a port the system chooses."""
+    process, bound to ``host`` (default 127.0.0.1) on a port the system chooses; ``address``:
+    ``http://HOST:PORT`` (the server itself reports the machine's hostname, which may not resolve)."""
 
-    def __init__(self, min_replicas: int = 1, *, join_timeout_ms: int = 200, heartbeat_timeout_ms: int = 1000,
-                 quorum_tick_ms: int = 20):
+    def __init__(self, min_replicas: int = 1, *, host: str = "127.0.0.1", join_timeout_ms: int = 200,
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
         from torchft._torchft import LighthouseServer
 
-        self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+        self.server = LighthouseServer(bind=f"{host}:0", min_replicas=min_replicas,
                                        join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
                                        heartbeat_timeout_ms=heartbeat_timeout_ms)
-        self.address = self.server.address()
+        self.address = f"http://{host}:{self.server.address().rsplit(':', 1)[1]}"
 
     def shutdown(self) -> None:
         self.server.shutdown()
