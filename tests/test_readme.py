@@ -3,7 +3,8 @@ cannot rot); the demo tables are what ``benchmarks/readme_tables.py`` prints fro
 README's first two shell commands are the ones CI runs; relative links between the pages resolve.
 
 A snippet preceded by ``<!-- not run: REASON -->`` is skipped with that reason. Snippets that talk to a process
-group run on 2 gloo workers (``gradcompress.testbed.launch.run``) with placeholders from ``readme_workers``.
+group run on 2 gloo workers (``gradcompress.testbed.launch.run``) with placeholders from ``readme_workers``;
+snippets under torchft bring their own lighthouse and Manager and run alone in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PAGES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))  # ever
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*([^>]*?)\s*-->\s*\Z")
 GROUP = re.compile(r"init_process_group|DistributedDataParallel|fully_shard|synchronize\(|register_|get_rank")
+STANDALONE = re.compile(r"^from torchft|^import torchft", re.M)  # its own lighthouse, Manager and store
 TIMEOUT = 120  # seconds, a deadlock guard for launch.run and the subprocess (the file takes 20-50 s on 2 cores)
 # The README's first two shell commands: the main job and the tests (.ci/run and CI look for them verbatim).
 COMMANDS = ["pip install torch==2.13.0 && pip install -e '.[demo]' && gradcompress demo",
@@ -73,7 +75,8 @@ def test_the_readme_starts_with_the_two_commands():
 @pytest.fixture(scope="module")
 def group_results(tmp_path_factory):
     """Every snippet that needs a process group, run in page order on one pair of workers (one start-up)."""
-    todo = [(p.values[0], p.values[1]) for p in SNIPPETS if not p.marks and GROUP.search(p.values[1])]
+    todo = [(p.values[0], p.values[1]) for p in SNIPPETS
+            if not p.marks and GROUP.search(p.values[1]) and not STANDALONE.search(p.values[1])]
     workdir = tmp_path_factory.mktemp("readme")
     results = launch.run(readme_workers.run_snippets, 2, todo, launch.free_port(), str(workdir), timeout=TIMEOUT)
     return {name: ([r[i] for r in results], workdir / str(i)) for i, (name, _) in enumerate(todo)}
@@ -81,6 +84,11 @@ def group_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name,code", SNIPPETS)
 def test_snippet_runs(name, code, group_results):
+    if STANDALONE.search(code):
+        pytest.importorskip("torchft")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return
     if not GROUP.search(code):
         exec(compile(code, name, "exec"), {})
         return

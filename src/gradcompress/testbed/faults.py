@@ -229,17 +229,19 @@ class Scenario:
 
 
 def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
-                     restart_at: int | None = 20, lighthouse: str | None = None, limit: float = 60.0,
-                     **cfg) -> list[dict]:
+                     restart_at: int | None = 20, inside: bool = False, lighthouse: str | None = None,
+                     limit: float = 60.0, **cfg) -> list[dict]:
     """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
-    fault) and is restarted when the others reach ``restart_at`` (they wait there until it is back, so the run
-    shows the heal). Returns the log's rows."""
+    fault; ``inside``: in the middle of that step's exchange, after its first collective round) and is restarted
+    when the others reach ``restart_at`` (they wait there until it is back, so the run shows the heal; None: not
+    restarted). Returns the log's rows."""
     s = Scenario(where, lighthouse=lighthouse, limit=limit, spec=spec, steps=steps, replicas=replicas, **cfg)
     try:
         victim = replicas - 1
         pause = {} if kill_at is None or restart_at is None else {"pause_at": restart_at}
         first = [s.start(i, **pause) for i in range(victim)]
-        first.append(s.start(victim, **({} if kill_at is None else {"kill_at": kill_at})))
+        fault = {} if kill_at is None else {"kill_in_exchange" if inside else "kill_at": kill_at}
+        first.append(s.start(victim, **fault))
         if kill_at is not None:
             s.wait_until(lambda: first[-1].poll() is not None, f"replica {victim} to die")
             if restart_at is not None:
