@@ -176,3 +176,24 @@ def test_state_dict_never_waits_on_the_quorum(scenario):
     (times,) = s.rows()
     assert times.pop("waiting") is True
     assert max(times.values()) < 0.5, times
+
+
+@pytest.mark.parametrize("make", ["CompressedAdam", "OneBitAdam", "DeMo"])
+def test_optimizers_that_exchange_inside_step_refuse_a_manager(make):
+    """They exchange inside optimizer.step(), after torchft's should_commit: refused, saying why and what instead."""
+    import torch
+
+    import gradcompress.optim as optim
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="after torchft's should_commit.*DistributedDataParallel"):
+        getattr(optim, make)(params, manager=object())
+
+
+def test_auto_and_hierarchical_topologies_are_refused_under_torchft():
+    from gradcompress.integrations.torchft import Compressor
+
+    with pytest.raises(ValueError, match="'auto' is not supported"):
+        Compressor("auto", manager=object())
+    with pytest.raises(ValueError, match="topology must be 'flat'"):
+        Compressor("int8", manager=object(), topology=2)

@@ -35,7 +35,7 @@ from .. import topology as topology_mod
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
 from ..spec import make
-from .exchanging import local_collectives, params_text
+from .exchanging import local_collectives, params_text, refuse_manager
 
 #: the learning rate of the paper's OLMo runs (sign updates)
 DEFAULT_LR = 4e-4
@@ -121,6 +121,8 @@ class DeMo(torch.optim.Optimizer):
             flat exchange. A hierarchical one (2+ nodes of 2+ workers) is refused at the first step: it would
             compress the node's summed momentum, not each worker's, so no worker could remove what it sent.
         values: optional codec for the kept values (``"bf16"``: 2 bytes instead of 4); default as they are.
+        manager: a torchft ``Manager`` is refused (it exchanges inside ``step()``, after torchft's commit
+            decision: :func:`gradcompress.optim.exchanging.refuse_manager`).
 
     Non-finite gradients: a step in which any rank's momentum would hold an Inf or NaN is skipped on every rank
     (read from the gathered coefficients, which every rank holds alike): parameters, momenta and step counts stay
@@ -130,7 +132,8 @@ class DeMo(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = DEFAULT_LR, *, momentum_decay: float = 0.999, chunk: int = 64,
                  topk: int = 32, sign: bool = True, weight_decay: float = 0.0, process_group=None,
-                 topology="flat", values=None):
+                 topology="flat", values=None, manager=None):
+        refuse_manager(type(self).__name__, manager)
         topology_mod.check(topology, "none")
         _check_group(lr, momentum_decay, weight_decay, sign)
         self.codec = demo_codec(chunk, topk, values)

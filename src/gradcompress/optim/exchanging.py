@@ -23,9 +23,20 @@ def local_collectives(who: str, process_group) -> LocalCollectives | None:
     return LocalCollectives(1)
 
 
+def refuse_manager(who: str, manager) -> None:
+    """These optimizers exchange inside ``optimizer.step()``, after torchft's ``should_commit()`` has decided the
+    step (torchft's ``OptimizerWrapper`` asks it first): a failed exchange could no longer be discarded, so a
+    torchft ``manager`` is refused with that reason (DDP with a codec, or DiLoCo, run under torchft)."""
+    if manager is not None:
+        raise ValueError(f"{who}: not supported under torchft (manager=...): it exchanges inside optimizer.step(), "
+                         "after torchft's should_commit() has decided the step, so a failed exchange could not be "
+                         "discarded; use gradcompress.integrations.torchft.DistributedDataParallel with a codec, or "
+                         "DiLoCo(..., manager=manager)")
+
+
 def params_text(params) -> str:
     """Each parameter's shape and dtype, for the configuration check across ranks."""
     return ",".join(f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in params)
 
 
-__all__ = ["initialised", "local_collectives", "params_text"]
+__all__ = ["initialised", "local_collectives", "params_text", "refuse_manager"]

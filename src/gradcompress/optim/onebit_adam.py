@@ -103,7 +103,7 @@ from ..compressor import Compressor
 from ..exchanges.hierarchical import piece_key, piece_numel
 from ..exchanges.layout import chunk_numel
 from ..spec import make
-from .exchanging import local_collectives, params_text
+from .exchanging import local_collectives, params_text, refuse_manager
 
 #: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
 CODEC_SPEC = "sign:bucket=512"
@@ -237,6 +237,8 @@ class CompressedAdam(torch.optim.Optimizer):
             ``sync_every``-th step (integer >= 1; 1, the default: every step, as without the option).
         sync_ramp_steps: 0 (default): the fixed interval ``sync_every`` from the freeze on; R > 0: 0/1 Adam's
             growing interval, doubling every R compressed steps up to ``sync_every`` (:func:`sync_due`).
+        manager: a torchft ``Manager`` is refused (it exchanges inside ``step()``, after torchft's commit
+            decision: :func:`gradcompress.optim.exchanging.refuse_manager`).
         topology: the Compressor's (:mod:`gradcompress.topology`): ``"auto"`` (default; flat on one
             machine), ``"flat"``, an ``int`` G or a 2-D ``DeviceMesh``. Hierarchical (2+ nodes of 2+
             workers): the compressed momenta are reduce-scattered dense inside the node and each worker
@@ -257,8 +259,9 @@ class CompressedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC,
-                 topology="auto", sync_every: int = 1, sync_ramp_steps: int = 0):
+                 topology="auto", sync_every: int = 1, sync_ramp_steps: int = 0, manager=None):
         who = type(self).__name__
+        refuse_manager(who, manager)
         topology_mod.check(topology, "none")
         _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
         self.codec = _check_codec(codec, who)
@@ -686,10 +689,10 @@ class OneBitAdam(CompressedAdam):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, topology="auto",
-                 sync_every: int = 1, sync_ramp_steps: int = 0):
+                 sync_every: int = 1, sync_ramp_steps: int = 0, manager=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
                          process_group=process_group, codec=CODEC_SPEC, topology=topology, sync_every=sync_every,
-                         sync_ramp_steps=sync_ramp_steps)
+                         sync_ramp_steps=sync_ramp_steps, manager=manager)
 
 
 __all__ = ["CompressedAdam", "OneBitAdam", "sync_due"]
