@@ -51,7 +51,7 @@ def by_step(rows, committed_only=True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["int8", "powersgd:rank=2", "topk:ratio=0.01"])
+@pytest.mark.parametrize("spec", ["int8", "powersgd:rank=2", "topk:ratio=0.01", "int8:server_error_feedback=true"])
 def test_kill_and_restart_keeps_training(tmp_path, spec):
     """Kill replica 2 at step 10, restart it at step 20, train to 40: the survivors commit every step, nobody
     commits a failed exchange, the healed replica matches its peers (parameters and shared compressor state) at
@@ -78,6 +78,10 @@ def test_kill_and_restart_keeps_training(tmp_path, spec):
         assert len({r["params"] for r in group.values()}) == 1, (i, group)
         assert len({r["shared"] for r in group.values()}) == 1, (i, group)
     assert all(steps[i][0]["participants"] == 3 for i in range(first + 1, 40))
+    if "server_error_feedback" in spec:  # the chunk owners changed with the quorum: server residuals restart
+        assert steps[9][0]["server_before"] > 0 and steps[8][1]["server_before"] > 0
+        assert steps[10][0]["server_before"] == 0 and steps[10][1]["server_before"] == 0
+        assert steps[first][0]["server_before"] == 0  # the quorum changed again when replica 2 came back
     clean = by_step(run_kill_restart(tmp_path, spec, fault=False))
     assert len({r["params"] for r in clean[39].values()}) == 1
     loss, reference = steps[39][0]["loss"], clean[39][0]["loss"]

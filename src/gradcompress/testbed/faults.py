@@ -152,6 +152,7 @@ def replica_main(cfg):
         loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
         loss.backward()
         residuals = {k: float(v.abs().sum()) for k, v in comp.residual.items()}
+        server = sum(float(v.abs().sum()) for v in comp.server_residual.values())  # after this step's begin
         silent = comp.held[-1].silent if comp.held else None
         optimizer.step()  # should_commit, then the optimizer step if committed
         error = manager.errored()
@@ -164,7 +165,7 @@ def replica_main(cfg):
         shared = comp.shared_state_dict()
         log.write(json.dumps({"replica": cfg["replica"], "step": step, "committed": committed,
                               "participants": manager.num_participants(), "silent": silent,
-                              "residual_before": sum(residuals.values()), "params": digest(net.parameters()),
+                              "residual_before": sum(residuals.values()), "server_before": server, "params": digest(net.parameters()),
                               "shared": digest([t for s in ("q", "p", "momentum") for t in shared[s].values()]),
                               "state_step": comp.state.step, "after": after, "loss": full, "accuracy": accuracy,
                               "pid": os.getpid(), "time": time.time(),
