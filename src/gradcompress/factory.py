@@ -94,10 +94,11 @@ def _exchanging(scheme: Scheme, model: nn.Module, run: Run):
 
 
 def diloco_options(scheme: Scheme, error_feedback: Any = "auto") -> dict:
-    """DiLoCo's ``codec``, ``outer``, ``outer_lr`` and ``error_feedback`` for a scheme: ``outer=sparseloco`` with an
+    """DiLoCo's ``codec``, ``outer``, ``outer_lr``, streaming options and ``error_feedback`` for a scheme: ``outer=sparseloco`` with an
     exact codec (``none:diloco=50,outer=sparseloco``) takes SparseLoCo's own codec (and its own error feedback)."""
     outer = scheme.outer or "nesterov"
     lr = {} if scheme.outer_lr is None else {"outer_lr": scheme.outer_lr}
+    lr.update(scheme.stream)  # streaming DiLoCo: fragments, delay, mix
     if outer == "sparseloco":
         return {"codec": None if scheme.codec.exact else scheme.codec, "outer": outer, **lr}
     return {"codec": scheme.codec, "outer": outer, "error_feedback": error_feedback, **lr}

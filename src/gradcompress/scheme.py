@@ -6,6 +6,7 @@ A *scheme* names what one training run or benchmark row uses to average gradient
     "sign:momentum=0.9"                             ... plus Compressor options by name
     "int4:diloco=25"                                DiLoCo, H = 25, int4 outer gradients
     "none:diloco=50,outer=sparseloco"               DiLoCo, H = 50, SparseLoCo's outer gradients (its codec)
+    "int4:diloco=50,fragments=4,delay=5"            streaming DiLoCo: 4 fragments in turn, each applied 5 steps on
     "topk:ratio=0.01,values=int8,compressed_adam=true"   CompressedAdam (Adam's momentum through the codec)
     "onebitadam:warmup_steps=30"                    OneBitAdam with its own options
     "onebitadam:sync_every=4"                       ... with local steps: a sync every 4th step after the freeze
@@ -47,7 +48,9 @@ DECOUPLED_OPTIONS = ("lr", "momentum_decay", "chunk", "topk", "sign", "weight_de
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 #: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync), ``compressed_adam=true`` and
 #: ``outer=nesterov|sparseloco`` and ``outer_lr=`` (DiLoCo's outer update and its learning rate, with ``diloco=H``)
-SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr")
+SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr", "fragments", "delay", "mix")
+#: streaming DiLoCo's options (with ``diloco=H``): :mod:`gradcompress.optim.streaming`
+STREAMING_OPTIONS = ("fragments", "delay", "mix")
 #: DiLoCo's outer updates (``outer=``): its own outer SGD with Nesterov momentum, and SparseLoCo's
 DILOCO_OUTERS = ("nesterov", "sparseloco")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
@@ -79,6 +82,7 @@ class Scheme:
     outer: str | None = None  # ours with diloco: DiLoCo's outer update (DILOCO_OUTERS), None: not given (nesterov)
     outer_lr: float | None = None  # ours with diloco: DiLoCo's outer learning rate, None: the outer's default
     demo_options: tuple = ()  # decoupled: DeMo's options given in the scheme, as (name, value)
+    stream_options: tuple = ()  # ours with diloco: streaming DiLoCo's fragments/delay/mix, as (name, value)
 
     @property
     def label(self) -> str:
@@ -100,6 +104,11 @@ class Scheme:
         """DeMo's options given in the scheme, by name."""
         return dict(self.demo_options)
 
+    @property
+    def stream(self) -> dict:
+        """Streaming DiLoCo's options given in the scheme (``fragments``, ``delay``, ``mix``), by name."""
+        return dict(self.stream_options)
+
     def canonical(self) -> str:
         """The scheme with the codec's every option spelled out (``int4:bucket=512,stochastic=false,diloco=25``);
         ``compressed_adam=false`` is dropped. Other kinds: the text as given."""
@@ -114,6 +123,7 @@ class Scheme:
             extra.append(("outer", self.outer))
         if self.outer_lr is not None:
             extra.append(("outer_lr", self.outer_lr))
+        extra.extend(self.stream_options)
         if not extra:
             return self.codec.spec
         joined = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra)
@@ -202,7 +212,28 @@ def _ours(text: str) -> Scheme:
     outer = check_scheme_outer(extra["outer"], diloco) if "outer" in extra else None
     outer_lr = _outer_lr(extra["outer_lr"], diloco) if "outer_lr" in extra else None
     return Scheme(text, "ours", codec, options=tuple(compressor.items()), diloco=diloco,
-                  compressed_adam=compressed_adam, outer=outer, outer_lr=outer_lr)
+                  compressed_adam=compressed_adam, outer=outer, outer_lr=outer_lr,
+                  stream_options=_streaming(extra, diloco))
+
+
+def _streaming(extra: dict, diloco: int | None) -> tuple:
+    """``fragments=F``, ``delay=tau``, ``mix=a`` (streaming DiLoCo), only next to ``diloco=H``, checked as
+    :class:`gradcompress.optim.DiLoCo` checks them."""
+    given = {k: extra[k] for k in STREAMING_OPTIONS if k in extra}
+    if not given:
+        return ()
+    if diloco is None:
+        raise ValueError(f"{', '.join(given)} are streaming DiLoCo's options; give them with diloco=H "
+                         "(e.g. int4:diloco=50,fragments=4,delay=5)")
+    fragments, delay = given.get("fragments", 1), given.get("delay", 0)
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"fragments must be an integer >= 1 (streaming DiLoCo's fragments), got {fragments!r}")
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < diloco:
+        raise ValueError(f"delay must be an integer from 0 to diloco - 1 ({diloco - 1}), got {delay!r}")
+    mix = given.get("mix", 1.0)
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 < mix <= 1:
+        raise ValueError(f"mix must be a number in (0, 1] (the global fragment's weight), got {mix!r}")
+    return tuple(given.items())
 
 
 def _outer_lr(value: Any, diloco: int | None) -> float:
@@ -320,7 +351,7 @@ def merge_compressor_options(from_spec: Mapping[str, Any], keywords: Mapping[str
     return {**from_spec, **keywords}
 
 
-__all__ = ["AUTO", "BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
+__all__ = ["STREAMING_OPTIONS", "AUTO", "BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
            "SCHEME_COMPRESSOR_OPTIONS", "SCHEME_OPTIONS", "Scheme", "check_diloco", "codec_options",
            "compressor_value", "merge_compressor_options", "parse_scheme", "scheme_name",
            "split_compressor_options", "unknown_option_message"]

@@ -57,6 +57,7 @@ DiLoCo's whole group is refused (there would be nothing left to average).
 from __future__ import annotations
 
 import numbers
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ from ..config import is_auto
 from ..session import default_group
 from ..scheme import DILOCO_OUTERS, split_compressor_options
 from ..spec import make
+from . import streaming
 
 #: the outer updates DiLoCo knows: DiLoCo's own (SGD with Nesterov momentum) and SparseLoCo's
 OUTERS = DILOCO_OUTERS
@@ -113,6 +115,16 @@ def _params_of(model_or_params) -> list[torch.nn.Parameter]:
     return params
 
 
+def _layers_of(model_or_params, params: list) -> list[list[int]]:
+    """Positions of ``params`` grouped by owning module (a model), or one group per parameter (a list)."""
+    if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
+        model_or_params = model_or_params.module
+    if not isinstance(model_or_params, torch.nn.Module):
+        return [[i] for i in range(len(params))]
+    names = {id(p): n for n, p in model_or_params.named_parameters()}
+    return streaming.layers_of([names[id(p)] for p in params])
+
+
 class DiLoCo:
     """Wraps an inner optimizer; every ``sync_every`` steps averages the outer gradient, compressed.
 
@@ -141,6 +153,15 @@ class DiLoCo:
         topology: the outer exchange's (:mod:`gradcompress.topology`). Default: the DDP group's size G for a
             model wrapped in DDP on its node's group (hierarchical: each worker sends 1/G of the outer
             gradient), else ``"auto"``.
+        fragments: streaming DiLoCo (:mod:`gradcompress.optim.streaming`): the parameters in F fragments by
+            layer, interleaved; fragment f is sent every ``sync_every`` steps at offset ``f*H // F``, so each sync
+            carries about 1/F of the model (default 1: every parameter at once, DiLoCo as before).
+        delay: inner steps between a fragment's send and the application of its update (tau, 0 to H-1; default
+            0: applied at once). With tau > 0 the exchange runs on a background thread while the inner steps go
+            on, and the training thread waits for it only at the apply step.
+        mix: the weight of the fresh global fragment when it is applied, ``local <- mix * global + (1 - mix) *
+            local`` (in (0, 1]; default 1 with ``delay=0``, DiLoCo's copy, and 0.5 with ``delay > 0``, as in the
+            streaming DiLoCo paper).
         manager: a torchft ``Manager`` (fault tolerance, :mod:`gradcompress.integrations.torchft`): each sync
             starts a quorum, averages the outer gradients of the live replicas (a rejoining replica sends zeros),
             and applies the outer step only if ``manager.should_commit()`` agrees; a rejoining replica receives
@@ -156,7 +177,8 @@ class DiLoCo:
     def __init__(self, model_or_params, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  codec=None, outer: str = "nesterov", outer_lr: float | None = None, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_decay: float | None = None, outer_optimizer=None,
-                 error_feedback="auto", process_group=None, seed: int = 0, topology=None, manager=None):
+                 error_feedback="auto", process_group=None, seed: int = 0, topology=None, manager=None,
+                 fragments: int = 1, delay: int = 0, mix: float | None = None):
         if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -176,19 +198,38 @@ class DiLoCo:
         self.params = _params_of(model_or_params)
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
+        layers = _layers_of(model_or_params, self.params)
+        self.fragments, self.delay, self.mix = streaming.check(fragments, delay, mix, self.sync_every, len(layers))
+        if manager is not None and (self.fragments > 1 or self.delay > 0):
+            raise ValueError("DiLoCo: streaming (fragments > 1 or delay > 0) under torchft is not supported: each "
+                             "sync is one torchft step; use fragments=1, delay=0 with manager=...")
+        if self.delay > 0 and isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("DiLoCo: delay > 0 with a model wrapped in DDP is not supported: DDP's all-reduce and "
+                             "the overlapped outer exchange would share the node's group; use delay=0")
         if is_auto(codec):
             raise ValueError("DiLoCo: codec='auto' is not supported: the autopilot decides each step's codec from "
                              "the step's own link and compute measurements, and DiLoCo syncs once every sync_every "
                              "steps; name a codec (e.g. 'int4')")
         self.manager = manager
+        if self.delay > 0 and (process_group is not None or default_group() is not None):
+            # the exchanges in flight get a group of their own: collectives the training thread issues meanwhile
+            # (a logged loss, a barrier) cannot interleave with them
+            process_group = _own_group(process_group)
         build = Compressor if manager is None else _managed(manager, process_group, topology)
         if sparse:
-            self.compressor = _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology,
-                                                     process_group, seed, build)
+            self.compressors = [_sparseloco_compressor(codec, outer_optimizer, error_feedback, topology,
+                                                       process_group, seed, build) for _ in range(self.fragments)]
         else:
-            self.compressor = build("none" if codec is None else codec, process_group=process_group,
-                                    error_feedback=error_feedback, seed=seed,
-                                    topology="auto" if topology is None else topology)
+            self.compressors = [build("none" if codec is None else codec, process_group=process_group,
+                                      error_feedback=error_feedback, seed=seed,
+                                      topology="auto" if topology is None else topology)
+                                for _ in range(self.fragments)]
+        self.compressor = self.compressors[0]  # fragments=1: the one Compressor
+        self.parts = streaming.fragments_of(layers, self.fragments)
+        self.flight: dict[int, streaming.InFlight] = {}  # fragment -> sent, not yet applied
+        self.courier = streaming.Courier()
+        self.sync_bytes: list[int] = []  # wire bytes of each fragment's exchange, in the order they ran
+        self.wait_seconds = 0.0  # the training thread's waits for exchanges (at apply steps only)
         self.process_group = process_group
         # without torch.distributed (and no group): a single process, its syncs on explicit local collectives
         local = manager is None and process_group is None and default_group() is None
@@ -221,62 +262,124 @@ class DiLoCo:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        """One inner step; every ``sync_every``-th call also synchronises (a collective: every rank calls it)."""
+        """One inner step; then the fragments whose update is due are applied and those due are sent (the sends
+        are collectives: every rank steps alike)."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        self._stream(self.inner_steps)
         return loss
 
     @torch.no_grad()
     def sync(self) -> bool:
-        """Average the outer gradients (anchor - local), step the outer optimizer, restart from the anchor.
+        """Synchronise every fragment now (send, wait, apply), whatever the schedule; with ``fragments=1`` DiLoCo's
+        sync: average the outer gradients (anchor - local), step the outer optimizer, restart from the anchor.
 
-        Returns False when some rank's outer gradient was non-finite: then nothing is
-        applied and every rank restarts from the unchanged anchor (``stats()["skipped"]``).
+        Returns False when some rank's outer gradient was non-finite (in some fragment): then that fragment's update
+        is skipped on every rank and it restarts from its unchanged anchor (``stats()["skipped"]``).
         """
+        finite = True
+        for f in range(self.fragments):
+            if f in self.flight:
+                finite &= self._apply(f)
+            self._send(f, self.inner_steps, now=True)
+            finite &= self._apply(f)
+        return finite
+
+    def _stream(self, t: int) -> None:
+        """After inner step ``t``: apply the fragments due (waiting for their exchange), then send those due."""
+        for f in range(self.fragments):
+            flight = self.flight.get(f)
+            if flight is not None and flight.apply_at <= t:
+                self._apply(f)
+        for f in range(self.fragments):
+            if streaming.due(t, f, self.fragments, self.sync_every):
+                self._send(f, t, now=self.delay == 0)
+                if self.delay == 0:
+                    self._apply(f)
+
+    @torch.no_grad()
+    def _send(self, f: int, t: int, now: bool) -> None:
+        """Fragment f's outer gradients (anchor - local), handed to the courier (``now``: exchanged at once)."""
         if self.manager is not None:
             self.manager.start_quorum()  # who is live now; a rejoining replica heals at should_commit below
-        outer_grads = [(a.detach() - p.detach()).to(a.dtype) for a, p in zip(self.anchor, self.params)]
+        keys = self.parts[f]
+        grads = [(self.anchor[i].detach() - self.params[i].detach()).to(self.anchor[i].dtype) for i in keys]
+        comp = self.compressors[f]
         if self.outer_kind == "sparseloco" and self.error_decay != 1.0:
-            self._decay_residuals(outer_grads)
-        with self.compressor.step(self._local) as step:
-            step.drive([step.exchange(list(range(len(outer_grads))), outer_grads)])
-        finite = step.committed if self.manager is None else bool(self.manager.should_commit() and step.finite)
+            self._decay_residuals(comp, keys, grads)
+
+        def exchange() -> bool:
+            before = comp.stats()["wire_bytes"]
+            with comp.step(self._local) as step:
+                step.drive([step.exchange(keys, grads)])
+            self.sync_bytes.append(comp.stats()["wire_bytes"] - before)
+            if self.manager is not None:
+                return bool(self.manager.should_commit() and step.finite)
+            return bool(step.committed)
+
+        self.flight[f] = streaming.InFlight(f, grads, t + self.delay, self.courier.send(exchange, now))
+
+    @torch.no_grad()
+    def _apply(self, f: int) -> bool:
+        """Wait for fragment f's exchange, step its anchors by the average (skipped if some rank was non-finite),
+        blend them into the local parameters (``mix``)."""
+        flight = self.flight.pop(f)
+        start = time.perf_counter()
+        finite = flight.result.result()
+        self.wait_seconds += time.perf_counter() - start
+        keys = self.parts[f]
         self.syncs += 1
         if finite:
-            for a, g in zip(self.anchor, outer_grads):
-                a.grad = g
+            for i, g in zip(keys, flight.grads):
+                self.anchor[i].grad = g
             self.outer.step()
-            for a in self.anchor:
-                a.grad = None
+            for i in keys:
+                self.anchor[i].grad = None
         else:
             self.skipped += 1
-        for p, a in zip(self.params, self.anchor):
-            p.copy_(a)
+        for i in keys:  # a skipped (non-finite) fragment restarts from its anchor, whatever the mix
+            if self.mix == 1.0 or not finite:
+                self.params[i].copy_(self.anchor[i])
+            else:
+                self.params[i].mul_(1.0 - self.mix).add_(self.anchor[i], alpha=self.mix)
         return finite
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
-        """``steps`` (inner), ``syncs``, ``skipped`` (non-finite syncs), ``raw_bytes`` (outer gradients'
-        own size, summed over syncs), ``wire_bytes`` (what this rank transmitted since the start),
-        ``ratio``, ``codec_seconds``, ``comm_seconds``, and the Compressor's ``inter_node_bytes``,
-        ``intra_node_bytes`` and ``topology``."""
-        st = self.compressor.stats()
-        return {"steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
-                "raw_bytes": st["raw_bytes"], "wire_bytes": st["wire_bytes"], "ratio": st["ratio"],
-                "codec_seconds": st["codec_seconds"], "comm_seconds": st["comm_seconds"],
-                "inter_node_bytes": st["inter_node_bytes"], "intra_node_bytes": st["intra_node_bytes"],
-                "topology": st["topology"]}
+        """``steps`` (inner), ``syncs`` (fragment syncs applied; with ``fragments=1`` whole syncs), ``skipped``
+        (non-finite ones), ``raw_bytes`` (outer gradients' own size, summed over syncs), ``wire_bytes`` (what this
+        rank transmitted since the start), ``ratio``, ``codec_seconds``, ``comm_seconds``, the Compressors'
+        ``inter_node_bytes``, ``intra_node_bytes`` and ``topology``; ``fragments``, ``delay``, ``mix``,
+        ``peak_sync_bytes`` (the most one fragment's exchange sent) and ``wait_seconds`` (the training thread's
+        waits for exchanges)."""
+        every = [c.stats() for c in self.compressors]
+        total = {k: sum(st[k] for st in every) for k in ("raw_bytes", "wire_bytes", "codec_seconds",
+                                                             "comm_seconds", "inter_node_bytes", "intra_node_bytes")}
+        wire, raw = total["wire_bytes"], total["raw_bytes"]
+        return {"steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped, **total,
+                "ratio": raw / wire if wire else float("inf") if raw else 1.0, "topology": every[0]["topology"],
+                "fragments": self.fragments, "delay": self.delay, "mix": self.mix,
+                "peak_sync_bytes": max(self.sync_bytes, default=0), "wait_seconds": self.wait_seconds,
+                "param_bytes": 0}
 
     def state_dict(self) -> dict:
         """The anchor, the outer and inner optimizers' state, the residuals and the step counters
-        (tensors and plain values: ``torch.load(..., weights_only=True)`` reads it)."""
+        (tensors and plain values: ``torch.load(..., weights_only=True)`` reads it). Streaming: a fragment whose
+        exchange is in flight is waited for first (every rank runs it, whoever saves), and its averaged outer
+        gradients are saved with the step they apply at: a resumed run applies them there, exactly."""
+        finished = {f: x.result.result() for f, x in self.flight.items()}  # first: their Compressors commit
         state = {"anchor": [a.detach().clone() for a in self.anchor], "outer": self.outer.state_dict(),
                  "inner": self.inner.state_dict(), "compressor": self.compressor.state_dict(),
                  "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped}
         if self.outer_kind != "nesterov":  # (the nesterov state dict stays what it always was)
             state["outer_kind"] = self.outer_kind
+        if self.fragments > 1 or self.delay > 0:
+            flights = [self.flight[f] for f in sorted(self.flight)]
+            state["streaming"] = {
+                "fragments": self.fragments, "delay": self.delay,
+                "compressors": [c.state_dict() for c in self.compressors],
+                "in_flight": [{"fragment": x.fragment, "apply_at": x.apply_at, "finite": bool(finished[x.fragment]),
+                               "grads": [g.clone() for g in x.grads]} for x in flights]}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -284,14 +387,27 @@ class DiLoCo:
         if saved != self.outer_kind:
             raise ValueError(f"DiLoCo: the checkpoint was saved with outer={saved!r}, this DiLoCo has "
                              f"outer={self.outer_kind!r}; resume with the same outer")
+        stream = state.get("streaming", {"fragments": 1, "delay": 0})
+        if (stream["fragments"], stream["delay"]) != (self.fragments, self.delay):
+            raise ValueError(f"DiLoCo: the checkpoint was saved with fragments={stream['fragments']}, "
+                             f"delay={stream['delay']}; this DiLoCo has fragments={self.fragments}, "
+                             f"delay={self.delay}; resume with the same")
         with torch.no_grad():
             for a, saved in zip(self.anchor, state["anchor"]):
                 a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.inner.load_state_dict(state["inner"])
-        self.compressor.load_state_dict(state["compressor"])
+        for comp, saved in zip(self.compressors, stream.get("compressors", [state["compressor"]])):
+            comp.load_state_dict(saved)
+        self.flight = {x["fragment"]: streaming.InFlight(x["fragment"], [g.clone() for g in x["grads"]],
+                                                         x["apply_at"], streaming.done(x["finite"]))
+                       for x in stream.get("in_flight", [])}
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.skipped = int(state.get("skipped", 0))
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight and stop the streaming thread (also done at interpreter exit)."""
+        self.courier.close()
 
     # ------------------------------------------------------------------ torchft's state transfer
     def _shared_state(self) -> dict:
@@ -307,11 +423,11 @@ class DiLoCo:
         self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
 
     # ------------------------------------------------------------------ internals
-    def _decay_residuals(self, outer_grads: list[torch.Tensor]) -> None:
+    def _decay_residuals(self, comp, keys: list[int], outer_grads: list[torch.Tensor]) -> None:
         """SparseLoCo's ``e <- beta e + delta`` through the Compressor's error feedback, which compresses
         ``x + e``: ``x = delta - (1 - beta) e`` (in place). The committed residuals are only read."""
-        residuals = self.compressor.residual
-        for key, g in enumerate(outer_grads):
+        residuals = comp.residual
+        for key, g in zip(keys, outer_grads):
             e = residuals.get(key)
             if e is not None and e.shape == g.shape:
                 g.sub_(e.to(g.dtype), alpha=1.0 - self.error_decay)
@@ -342,6 +458,12 @@ def _error_decay(value, sparse: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
         raise ValueError(f"DiLoCo: error_decay must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def _own_group(group):
+    """A new process group of ``group``'s ranks (None: the world), created by those ranks only."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _cloned(value):

@@ -373,7 +373,8 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     warmup, timed = cfg["warmup"], cfg["steps"]
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
-    record = _timed_steps(cfg["ifname"], step, comp, warmup, timed, cfg.get("change"))
+    # DiLoCo's counters are its own (streaming: one Compressor per fragment)
+    record = _timed_steps(cfg["ifname"], step, opt if h else comp, warmup, timed, cfg.get("change"))
     record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), auto=comp.stats().get("auto") if comp else None,
                   explain=comp.explain() if comp is not None and comp.autopilot is not None else None,
                   error_feedback=_error_feedback(cfg, text, h, comp),
