@@ -179,18 +179,9 @@ class DiLoCo:
                  nesterov: bool = True, error_decay: float | None = None, outer_optimizer=None,
                  error_feedback="auto", process_group=None, seed: int = 0, topology=None, manager=None,
                  fragments: int = 1, delay: int = 0, mix: float | None = None):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
-            raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise ValueError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
-                             f"{type(inner_optimizer).__name__}")
         self.outer_kind = check_outer(outer)
         sparse = self.outer_kind == "sparseloco"
-        if outer_lr is None:
-            outer_lr = SPARSELOCO_OUTER_LR if sparse else 0.7
-        for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
-                raise ValueError(f"DiLoCo: {name} must be a number >= 0, got {value!r}")
+        outer_lr = _check_numbers(sync_every, inner_optimizer, outer_lr, outer_momentum, sparse)
         self.error_decay = _error_decay(error_decay, sparse)
         if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
             per_node = ddp_nodes(model_or_params, process_group)
@@ -200,16 +191,7 @@ class DiLoCo:
         self.sync_every = int(sync_every)
         layers = _layers_of(model_or_params, self.params)
         self.fragments, self.delay, self.mix = streaming.check(fragments, delay, mix, self.sync_every, len(layers))
-        if manager is not None and (self.fragments > 1 or self.delay > 0):
-            raise ValueError("DiLoCo: streaming (fragments > 1 or delay > 0) under torchft is not supported: each "
-                             "sync is one torchft step; use fragments=1, delay=0 with manager=...")
-        if self.delay > 0 and isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("DiLoCo: delay > 0 with a model wrapped in DDP is not supported: DDP's all-reduce and "
-                             "the overlapped outer exchange would share the node's group; use delay=0")
-        if is_auto(codec):
-            raise ValueError("DiLoCo: codec='auto' is not supported: the autopilot decides each step's codec from "
-                             "the step's own link and compute measurements, and DiLoCo syncs once every sync_every "
-                             "steps; name a codec (e.g. 'int4')")
+        _check_combination(self.fragments, self.delay, manager, model_or_params, codec)
         self.manager = manager
         if self.delay > 0 and (process_group is not None or default_group() is not None):
             # the exchanges in flight get a group of their own: collectives the training thread issues meanwhile
@@ -217,13 +199,14 @@ class DiLoCo:
             process_group = _own_group(process_group)
         build = Compressor if manager is None else _managed(manager, process_group, topology)
         if sparse:
-            self.compressors = [_sparseloco_compressor(codec, outer_optimizer, error_feedback, topology,
-                                                       process_group, seed, build) for _ in range(self.fragments)]
+            def make():
+                return _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed,
+                                              build)
         else:
-            self.compressors = [build("none" if codec is None else codec, process_group=process_group,
-                                      error_feedback=error_feedback, seed=seed,
-                                      topology="auto" if topology is None else topology)
-                                for _ in range(self.fragments)]
+            def make():
+                return build("none" if codec is None else codec, process_group=process_group,
+                             error_feedback=error_feedback, seed=seed, topology="auto" if topology is None else topology)
+        self.compressors = [make() for _ in range(self.fragments)]  # one per fragment: its own residuals
         self.compressor = self.compressors[0]  # fragments=1: the one Compressor
         self.parts = streaming.fragments_of(layers, self.fragments)
         self.flight: dict[int, streaming.InFlight] = {}  # fragment -> sent, not yet applied
@@ -237,15 +220,7 @@ class DiLoCo:
         if manager is None:  # under torchft the replicas start alike (same seed) and heal from a peer's state
             self._broadcast_from_rank0()
         self.anchor = [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
-        if sparse:  # no outer momentum: the decayed error-feedback buffer is the outer memory
-            self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=0.0)
-        elif outer_optimizer is None:
-            self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
-                                         nesterov=bool(nesterov) and outer_momentum > 0)
-        else:
-            self.outer = outer_optimizer(self.anchor)
-            if not isinstance(self.outer, torch.optim.Optimizer):
-                raise ValueError("DiLoCo: outer_optimizer must return a torch.optim.Optimizer over the anchors")
+        self.outer = _outer_optimizer(self.anchor, sparse, outer_lr, outer_momentum, nesterov, outer_optimizer)
         self.inner_steps = 0
         self.syncs = 0
         self.skipped = 0
@@ -458,6 +433,47 @@ def _error_decay(value, sparse: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
         raise ValueError(f"DiLoCo: error_decay must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def _check_numbers(sync_every, inner_optimizer, outer_lr, outer_momentum, sparse: bool) -> float:
+    """``sync_every``, the inner optimizer and the outer numbers checked; the outer learning rate (its default)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
+        raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise ValueError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
+                         f"{type(inner_optimizer).__name__}")
+    if outer_lr is None:
+        outer_lr = SPARSELOCO_OUTER_LR if sparse else 0.7
+    for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ValueError(f"DiLoCo: {name} must be a number >= 0, got {value!r}")
+    return outer_lr
+
+
+def _outer_optimizer(anchor, sparse: bool, lr, momentum, nesterov, make) -> torch.optim.Optimizer:
+    """SparseLoCo's plain SGD, DiLoCo's SGD with Nesterov momentum, or the user's ``make(anchor)``."""
+    if sparse:  # no outer momentum: the decayed error-feedback buffer is the outer memory
+        return torch.optim.SGD(anchor, lr=lr, momentum=0.0)
+    if make is None:
+        return torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=bool(nesterov) and momentum > 0)
+    outer = make(anchor)
+    if not isinstance(outer, torch.optim.Optimizer):
+        raise ValueError("DiLoCo: outer_optimizer must return a torch.optim.Optimizer over the anchors")
+    return outer
+
+
+def _check_combination(fragments: int, delay: int, manager, model_or_params, codec) -> None:
+    """What DiLoCo refuses to combine, each with the reason."""
+    if manager is not None and (fragments > 1 or delay > 0):
+        raise ValueError("DiLoCo: streaming (fragments > 1 or delay > 0) under torchft is not supported: each "
+                         "sync is one torchft step; use fragments=1, delay=0 with manager=...")
+    if delay > 0 and isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("DiLoCo: delay > 0 with a model wrapped in DDP is not supported: DDP's all-reduce and "
+                         "the overlapped outer exchange would share the node's group; use delay=0")
+    if is_auto(codec):
+        raise ValueError("DiLoCo: codec='auto' is not supported: the autopilot decides each step's codec from "
+                         "the step's own link and compute measurements, and DiLoCo syncs once every sync_every "
+                         "steps; name a codec (e.g. 'int4')")
 
 
 def _own_group(group):
