@@ -19,6 +19,9 @@ from gradcompress.testbed import faults  # noqa: E402
 
 WORKERS = [sys.executable, os.path.join(os.path.dirname(__file__), "torchft_workers.py")]
 HEARTBEAT_MS = 1000
+#: the lighthouse waits this long for a replica that heartbeats but has not asked for the quorum yet: on a loaded
+#: machine a replica can reach its first quorum (DiLoCo: after H inner steps) later than the others
+JOIN_MS = 1000
 
 
 @pytest.fixture
@@ -26,7 +29,8 @@ def scenario(tmp_path):
     made = []
 
     def make(**kw):
-        made.append(faults.Scenario(str(tmp_path / f"s{len(made)}"), command=WORKERS, heartbeat_ms=HEARTBEAT_MS, **kw))
+        made.append(faults.Scenario(str(tmp_path / f"s{len(made)}"), command=WORKERS, heartbeat_ms=HEARTBEAT_MS,
+                                    join_ms=JOIN_MS, **kw))
         return made[-1]
 
     yield make
@@ -36,7 +40,7 @@ def scenario(tmp_path):
 
 def run_kill_restart(tmp_path, spec, fault: bool, steps: int = 40, **cfg):
     rows = faults.kill_and_restart(str(tmp_path / f"{spec}-{fault}-{cfg}"), spec, steps=steps,
-                                   kill_at=10 if fault else None, **cfg)
+                                   kill_at=10 if fault else None, join_ms=JOIN_MS, **cfg)
     pids = {r["pid"] for r in rows}
     assert len(pids) == (4 if fault else 3)  # the victim was restarted as a new process
     return rows

@@ -183,14 +183,14 @@ class Scenario:
     their log. ``command``: how to start a replica (default: this module). ``close()`` kills what still runs."""
 
     def __init__(self, where: str, min_replicas: int = 1, *, command=None, limit: float = 60.0,
-                 heartbeat_ms: int = 1000, lighthouse: str | None = None, **common):
+                 heartbeat_ms: int = 1000, join_ms: int = 200, lighthouse: str | None = None, **common):
         os.makedirs(where, exist_ok=True)
         self.dir, self.log, self.limit = where, os.path.join(where, "log.jsonl"), limit
         open(self.log, "w").close()
         self.lighthouse = None
         if lighthouse is None:
             self.lighthouse = gft.Lighthouse(min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_ms,
-                                             join_timeout_ms=200)
+                                             join_timeout_ms=join_ms)
             lighthouse = self.lighthouse.address
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.common = {"lighthouse": address, "log": self.log, "dir": where, **common}
@@ -231,12 +231,14 @@ class Scenario:
 
 def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
                      restart_at: int | None = 20, inside: bool = False, lighthouse: str | None = None,
-                     limit: float = 60.0, **cfg) -> list[dict]:
+                     limit: float = 60.0, join_ms: int = 200, **cfg) -> list[dict]:
     """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
     fault; ``inside``: in the middle of that step's exchange, after its first collective round) and is restarted
     when the others reach ``restart_at`` (they wait there until it is back, so the run shows the heal; None: not
-    restarted). Returns the log's rows."""
-    s = Scenario(where, lighthouse=lighthouse, limit=limit, spec=spec, steps=steps, replicas=replicas, **cfg)
+    restarted). ``join_ms``: the lighthouse's join timeout (how long a quorum waits for a replica that heartbeats
+    but has not asked yet: a slow starter). Returns the log's rows."""
+    s = Scenario(where, lighthouse=lighthouse, limit=limit, join_ms=join_ms, spec=spec, steps=steps,
+                 replicas=replicas, **cfg)
     try:
         victim = replicas - 1
         pause = {} if kill_at is None or restart_at is None else {"pause_at": restart_at}
