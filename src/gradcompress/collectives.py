@@ -88,12 +88,16 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, monitor: bool = False):
         """``monitor=True``: telemetry's exact average, counted in ``monitor_bytes``, not ``wire_bytes``."""
+        self.count_all_reduce(t, monitor)
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def count_all_reduce(self, t: torch.Tensor, monitor: bool) -> None:
+        """Count an all-reduce of ``t``: in ``monitor_bytes`` (telemetry's) or ``wire_bytes``."""
         sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
         if monitor:
             self.monitor_bytes += sent
         else:
             self.wire_bytes += sent
-        return dist.all_reduce(t, group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], object]:
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()

@@ -66,11 +66,7 @@ class ManagedCollectives(Collectives):
 
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, t: torch.Tensor, monitor: bool = False):
-        sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
-        if monitor:
-            self.monitor_bytes += sent
-        else:
-            self.wire_bytes += sent
+        self.count_all_reduce(t, monitor)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         return self._issue(lambda: self.pg.allreduce([t], opts))
