@@ -162,3 +162,86 @@ def fsdp_train(rank: int, world: int, spec: str, steps: int) -> dict:
     for t in full:
         h.update(t.contiguous().numpy().tobytes())
     return {"digest": h.hexdigest(), "plan": _plan_text(comp), "stats": comp.stats()}
+
+
+def nodes_train(rank: int, world: int, spec: str, steps: int, force: str | None = None) -> dict:
+    """DDP with ``spec`` on 2 nodes of 2 workers (``topology=2``): the plan and layout at each step, replica
+    equality at each step, the stats. ``force``: the layout trial's outcome ("flat" or "hierarchical": that layout's
+    steps after the first decision measure 10x faster on every rank, through the meter's clock)."""
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    comp = gradcompress.register_ddp_hook(model, spec, topology=2)
+    pilot = comp.autopilot
+    if force is not None:
+        real, offset = time.perf_counter, [0.0]
+
+        def clock():  # steps of the forced layout take a tenth of their time (every rank alike)
+            now = real() + offset[0]
+            if pilot.layout == force and pilot.decided_at is not None:
+                offset[0] -= 0.9 * (now - clock.last)
+                now = real() + offset[0]
+            clock.last = now
+            return now
+
+        clock.last = real()
+        pilot.meter.clock = clock
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plans, layouts, equal, same = [], [], [], []
+    for step in range(steps):
+        _train_step(model, opt, rank, step)
+        plans.append(_plan_text(comp))
+        layouts.append(pilot.layout)
+        equal.append(_replicas_equal(model))
+        same.append(_same_everywhere(plans[-1] + layouts[-1]))
+    return {"digest": _digest(model), "plans": plans, "layouts": layouts, "equal": equal, "same": same,
+            "stats": comp.stats(), "explain": comp.explain()}
+
+
+def relayout_invariant(rank: int, world: int, steps: int, to_nodes: int, back: int) -> dict:
+    """``Compressor("topk:ratio=0.1", topology=2)`` on fixed per-rank gradients, flat until ``to_nodes``, then
+    hierarchical until ``back``, then flat (``Session.relayout`` at each change, as the autopilot switches): the
+    error-feedback invariant — what was delivered plus the workers' mean residual equals the exact means' sum —
+    at the end, and the mean residual kept by each relayout."""
+    from gradcompress.schedule import Plan
+    from gradcompress.spec import make
+
+    comp = gradcompress.Compressor("topk:ratio=0.1", topology=2, min_numel=16)
+    shapes = {0: (40, 30), 1: (37,)}
+    codec, delivered, exact = make("topk:ratio=0.1"), {k: torch.zeros(s) for k, s in shapes.items()}, None
+    kept = []
+
+    def mean_residual(hierarchical: bool) -> dict:
+        out = {}
+        for k, shape in shapes.items():
+            if hierarchical:  # piece j of the nodes' mean: the workers of local rank j, averaged over nodes
+                h = comp.hierarchy
+                from gradcompress.exchanges.hierarchical import piece_key, to_whole
+                whole = to_whole(h.intra.world, h.intra.rank, comp.residual, {k: shape})[k]
+            else:
+                whole = comp.residual[k].clone()
+            dist.all_reduce(whole)
+            out[k] = whole / world
+        return out
+
+    for step in range(steps):
+        if step in (to_nodes, back):
+            hier = step == to_nodes
+            before = mean_residual(not hier)
+            comp.session.relayout(comp.state, shapes, hier)
+            after = mean_residual(hier)
+            kept.append(all(torch.allclose(before[k], after[k], atol=1e-6) for k in shapes))
+        flat = not (to_nodes <= step < back)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        grads = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+        mean = {k: v.clone() for k, v in grads.items()}
+        for v in mean.values():
+            dist.all_reduce(v)
+            v.div_(world)
+        exact = mean if exact is None else {k: exact[k] + mean[k] for k in shapes}
+        with comp.step(plan=Plan(codec, flat=flat)) as s:
+            s.drive([s.exchange(list(shapes), [grads[k] for k in shapes])])
+        for k in shapes:
+            delivered[k] += grads[k]
+    residual = mean_residual(False)
+    gap = max(float((delivered[k] + residual[k] - exact[k]).abs().max()) for k in shapes)
+    pieces = sorted(str(k) for k in comp.residual)
+    return {"gap": gap, "kept": kept, "keys": pieces, "hier": comp.hierarchy is not None}

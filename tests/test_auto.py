@@ -31,7 +31,6 @@ def _buckets():
     ("auto:bandwidth=fast", "auto: bandwidth: bad rate 'fast'"),
     ("auto:every=0", "auto: every must be an integer >= 1, got 0"),
     ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every; Compressor options"),
-    ("auto:topology=2", "'auto' chooses among flat exchanges; topology=2"),
 ])
 def test_bad_options_are_one_clear_error(spec, message):
     with pytest.raises(ValueError) as err:
@@ -101,15 +100,17 @@ def test_the_trial_goes_back_when_the_new_plan_is_not_faster(new_step, kept):
     """TRIAL_STEPS after a measured switch the new plan's measured step is compared with the old plan's: not faster,
     back to the old plan (and the new one is not chosen again until the measurements move); faster, or slower within
     the noise margin (5 %), kept."""
-    from gradcompress.autopilot import Autopilot
+    from gradcompress.autopilot import Autopilot, Trial
     from gradcompress.collectives import LocalCollectives
+    from gradcompress.session import Session
     from gradcompress.state import State
 
-    pilot = Autopilot(Config.parse("auto", {}), State())
+    config = Config.parse("auto", {})
+    pilot = Autopilot(config, State(), Session(config))
     pilot.buckets = _buckets()
     new = {0: "int4", 1: "int4", 2: "int4", 3: "int4"}
     pilot._apply(new)
-    pilot.trial = (7, {}, 0.1)
+    pilot.trial = Trial(7, ({}, "flat"), 0.1, "codec")
     pilot.meter.walls.extend([new_step] * 3)
     pilot._judge(LocalCollectives(1), 7)
     assert pilot.trial is None and pilot.decision["trial"] == (0.1, new_step)
@@ -174,6 +175,35 @@ def test_a_switch_keeps_replicas_equal_and_residuals_carry_over():
         before, after = r["residuals"][first_dense - 1], r["residuals"][-1]
         assert before and set(before) == set(after)
         assert all(torch.equal(before[k], after[k]) for k in before)  # kept, unchanged, over the dense steps
+
+
+def test_relayout_keeps_the_error_feedback_invariant():
+    """Flat, then hierarchical, then flat again on 2 nodes of 2 (``Session.relayout`` at each change, as the
+    autopilot switches layouts): each relayout keeps the workers' mean residual, and at the end what was delivered
+    plus the mean residual is the sum of the exact means (error feedback lost nothing across the switches)."""
+    results = launch.run(auto_workers.relayout_invariant, 4, 9, 3, 6, timeout=240)
+    for r in results:
+        assert r["hier"] and r["kept"] == [True, True]
+        assert r["gap"] < 1e-4, r["gap"]
+        assert r["keys"] == ["0", "1"]  # back on the flat keys: no piece residual left behind
+
+
+@pytest.mark.parametrize("force", ["hierarchical", "flat"])
+def test_on_nodes_auto_measures_flat_against_hierarchical(force):
+    """2 nodes of 2 workers, a slow-link hint: int4 at step 3 (flat), its step time measured over the next steps,
+    then the same codecs hierarchically for TRIAL_STEPS steps; the layout measured faster stays (forced here by
+    the meter's clock). Every rank holds the same plan and layout at every step, the replicas stay equal."""
+    from gradcompress.autopilot import TRIAL_STEPS
+
+    results = launch.run(auto_workers.nodes_train, 4, "auto:bandwidth=10mbit", 18, force, timeout=240)
+    start = 3 + TRIAL_STEPS  # the decision at 3, measured until its settling step
+    for r in results:
+        assert all(r["equal"]) and all(r["same"])
+        assert r["layouts"][:start] == ["flat"] * start and "int4" in r["plans"][3]
+        assert r["layouts"][start:start + TRIAL_STEPS] == ["hierarchical"] * TRIAL_STEPS
+        assert r["layouts"][-1] == force and set(r["stats"]["auto"]["layout_step_s"]) == {"flat", "hierarchical"}
+        assert r["stats"]["auto"]["layout"] == force and "layout: " + force in r["explain"]
+        assert (r["stats"]["intra_node_bytes"] > 0) and r["stats"]["auto"]["switches"] == 1 + (force == "flat")
 
 
 def test_checkpoint_resume_is_exact():

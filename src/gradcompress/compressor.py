@@ -57,7 +57,7 @@ class Compressor:
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.options.name})"  # DDP logs hook names
         self.session = Session(self.options, process_group, divisor)
         self.state = State(slots)
-        self.autopilot = Autopilot(self.options, self.state) if self.options.auto else None  # "auto": chooses plans
+        self.autopilot = Autopilot(self.options, self.state, self.session) if self.options.auto else None  # "auto": chooses plans
         self.telemetry = Telemetry(self.options.error_feedback)
         #: per-key scratch buffers reused every step (the error-fed input), not part of the state
         self.workspace: dict = {}

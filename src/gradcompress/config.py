@@ -51,11 +51,6 @@ def _auto_options(spec, given: dict) -> tuple[autospec.Auto, dict]:
         raise ValueError(unknown_option_message("auto", unknown[0], list(autospec.OPTIONS), COMPRESSOR_OPTIONS))
     from_spec = {k: compressor_value(k, v) for k, v in opts.items()}
     o = {**DEFAULTS, **merge_compressor_options(from_spec, given, spec=spec)}
-    if o["topology"] not in ("auto", "flat") or o["intra_node"] != "none":
-        raise ValueError(f"Compressor: 'auto' chooses among flat exchanges; topology={o['topology']!r}, "
-                         f"intra_node={o['intra_node']!r} are not supported with it (leave them unset, or name a "
-                         "codec to run a hierarchical exchange)")
-    o["topology"] = "flat"
     if o["error_feedback"] == "auto":  # every lossy candidate is biased; the 16-bit cast's residual is harmless
         o["error_feedback"] = True
     return autospec.parse(own), o

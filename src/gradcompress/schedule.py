@@ -60,10 +60,12 @@ class Plan:
 
     Warm-up and the schedules give every key the same codec (:func:`plan_at`); a plan that differs per key (per
     bucket) is what a decision per tensor fills. :meth:`groups` splits a group of keys by codec, in first-seen order
-    (the same on every rank for the same plan)."""
+    (the same on every rank for the same plan). ``flat``: the step's groups travel flat even where the session
+    has a hierarchical layout (the autopilot measures which of the two is faster; FSDP's HSDP replica all-reduce,
+    whose layout is the sharding's, is not affected)."""
 
-    def __init__(self, default: Codec | None, per_key: dict | None = None):
-        self.default, self.per_key = default, dict(per_key or {})
+    def __init__(self, default: Codec | None, per_key: dict | None = None, flat: bool = False):
+        self.default, self.per_key, self.flat = default, dict(per_key or {}), flat
 
     def codec(self, key) -> Codec | None:
         return self.per_key.get(key, self.default)

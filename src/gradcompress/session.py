@@ -19,7 +19,7 @@ from .codecs.base import Aggregation, Codec
 from .collectives import Collectives, LocalCollectives
 from .exchanges.dense import DenseExchange
 from .exchanges.grouped import GroupExchange, algebra_exchange
-from .exchanges.hierarchical import Hierarchy
+from .exchanges.hierarchical import Hierarchy, piece_key, to_pieces, to_whole
 from .exchanges.reduce_scatter import HierarchicalReduceScatter, ReduceScatterExchange
 from .exchanges.replicas import ReplicaExchange
 from .spec import make
@@ -127,19 +127,30 @@ class Session:
         self.key_of = {id(p): i for i, p in enumerate(params)}
 
     # ---------------------------------------------------------------- exchanges
-    def exchange(self, codec: Codec | None, force_dense: bool, buffer: torch.Tensor | None, monitored: bool):
-        """The exchange of a group of tensors at a step with ``codec`` (None: dense)."""
+    def exchange(self, codec: Codec | None, force_dense: bool, buffer: torch.Tensor | None, monitored: bool,
+                 flat: bool = False):
+        """The exchange of a group of tensors at a step with ``codec`` (None: dense); ``flat``: not hierarchical
+        even where the session has nodes (the autopilot's choice). A low-rank codec on a layout of flat pieces
+        (the autopilot's: its session was not built for one codec) travels flat: PowerSGD needs whole matrices."""
         c = self.config
-        if self.hierarchy is not None and not force_dense:  # dense inside each node, the codec's between
+        if self.hierarchical(codec, flat) and not force_dense:  # dense inside each node, the codec's between
             return self.hierarchy.exchange(codec, c.seed, c.min_numel)
         if codec is None or codec.exact:  # dense: DDP's own all-reduce (plus momentum correction)
             return DenseExchange(self.comm, buffer, monitored)
         return GroupExchange(self.comm, codec, algebra_exchange(self.comm, codec, c.seed), c.min_numel)
 
-    def reduce_scatter(self, codec: Codec | None, scale: float):
-        """FSDP's compressed reduce-scatter (dense inside each node, compressed between, where hierarchical)."""
+    def hierarchical(self, codec: Codec | None, flat: bool = False) -> bool:
+        """Whether a group with ``codec`` travels hierarchically (see :meth:`exchange`)."""
         h = self.hierarchy
-        if h is not None:
+        if h is None or flat:
+            return False
+        return h.owners or codec is None or codec.aggregation is not Aggregation.LOWRANK
+
+    def reduce_scatter(self, codec: Codec | None, scale: float, flat: bool = False):
+        """FSDP's compressed reduce-scatter (dense inside each node, compressed between, where hierarchical and
+        not ``flat``)."""
+        h = self.hierarchy
+        if h is not None and not flat:
             return HierarchicalReduceScatter(h.intra, h.inter, codec, self.dense_codec, h.cast, scale)
         return ReduceScatterExchange(self.comm, codec, self.dense_codec, scale)
 
@@ -147,6 +158,26 @@ class Session:
         """HSDP's replica all-reduce of a shard (None: flat, the plain exchange does it)."""
         h = self.hierarchy
         return None if h is None else ReplicaExchange(h.intra, h.between(codec, self.config.seed))
+
+    def relayout(self, state, shapes: dict, hierarchical: bool) -> None:
+        """Move the per-worker state of the keys ``shapes`` (key -> tensor shape) to the other layout, between two
+        steps, on every rank together (the autopilot's switch between flat and hierarchical): residuals and
+        momentum (gradient space) keep their mean over the workers — to pieces by a reduce-scatter inside each node,
+        back to whole tensors without communication (:func:`~.exchanges.hierarchical.to_pieces`, ``to_whole``),
+        added to what the other layout holds for the key — so error feedback loses nothing; server residuals (per
+        chunk owner, a layout's own) start at zero."""
+        h = self.hierarchy
+        parts, me = h.intra.world, h.intra.rank
+        for slot in ("residual", "momentum"):
+            values = state.slots[slot]
+            if hierarchical:
+                moved, gone = to_pieces(h.intra, values, shapes), [k for k in shapes if k in values]
+            else:
+                moved, gone = to_whole(parts, me, values, shapes), [piece_key(k, me, parts) for k in shapes]
+            state.forget((slot,), gone)
+            for k, v in moved.items():
+                values[k] = v if k not in values else values[k] + v
+        state.forget(("server_residual",), list(state.slots["server_residual"]))
 
     # ---------------------------------------------------------------- what it sent
     def bytes(self) -> tuple[int, int, int]:

@@ -122,7 +122,7 @@ class Step:
         jobs = []
         for codec, idx in groups:
             ks, ts = [keys[i] for i in idx], [tensors[i] for i in idx]
-            exchange = self.session.exchange(None if dense else codec, dense, buffer, monitored)
+            exchange = self.session.exchange(None if dense else codec, dense, buffer, monitored, self.plan.flat)
             jobs.append(exchange.job(self.ctx, ks, ts, ts))
         return one_job(jobs)
 
@@ -132,7 +132,7 @@ class Step:
         self._require_open()
         self.seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
         self.raw_bytes += input.numel() * input.element_size()
-        return self.session.reduce_scatter(self.plan.codec(key), scale).job(self.ctx, [key], [input], [output])
+        return self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat).job(self.ctx, [key], [input], [output])
 
     def all_reduce_shard(self, key: Hashable, shard: torch.Tensor) -> Job:
         """HSDP's replica all-reduce, compressed, as a job (:mod:`gradcompress.exchanges.replicas`): ``shard``, this

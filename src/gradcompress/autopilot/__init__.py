@@ -16,9 +16,16 @@ every rank at the same step (the committed step count, equal everywhere):
    it is more than
    :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one is not chosen again until the
    measurements move. The model proposes, the step decides.
+5. **Flat or hierarchical** (where the session found 2 or more nodes of 2 or more workers: ``topology=``, torchrun's
+   environment): measured, never assumed. The measuring steps and the first plan run flat; once the plan's step
+   time is measured (after its trial, or :data:`TRIAL_STEPS` steps after a decision told by ``bandwidth=``), the
+   same codecs run hierarchically for :data:`TRIAL_STEPS` steps, and the faster of the two, as measured, stays.
+   Tried again whenever the measurements move. The model decides the codecs for the flat exchange; low-rank
+   codecs (PowerSGD, whole matrices) travel flat in either layout.
 
 Across a switch, error-feedback residuals carry over (they live in gradient space: a bucket that goes dense keeps its
-residual until it is compressed again); PowerSGD's factors of a bucket whose codec changed start fresh.
+residual until it is compressed again); PowerSGD's factors of a bucket whose codec changed start fresh; across a switch of layout, residuals and momentum
+move to the other layout's keys with their mean over the workers kept (:meth:`~gradcompress.session.Session.relayout`).
 The decision is state: ``Compressor.state_dict()["auto"]`` holds the plan and what it was based on, so a resumed run
 uses the same codecs from its first step. :meth:`Autopilot.explain` says what was measured and why each bucket got
 its codec.
@@ -26,6 +33,7 @@ its codec.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -49,13 +57,32 @@ TRIAL_STEPS = 6
 TRIAL_MARGIN = 0.05
 
 
-class Autopilot:
-    """The plan of each step of a ``Compressor("auto")`` (``config.auto``: its options)."""
+LAYOUTS = ("flat", "hierarchical")
 
-    def __init__(self, config, state):
-        self.config, self.options, self._state = config, config.auto, state
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """A switch on probation: judged at step ``at`` against ``old`` ((chosen, layout) to go back to) and its measured
+    step time ``old_step``. ``kind``: ``"codec"`` (the model's proposal: back if more than :data:`TRIAL_MARGIN`
+    slower), ``"layout"`` (flat against hierarchical: the faster stays), ``"settle"`` (a decision told by
+    ``bandwidth=``: nothing judged, the new plan's step time measured for the layout's trial)."""
+
+    at: int
+    old: tuple
+    old_step: float
+    kind: str
+
+
+class Autopilot:
+    """The plan of each step of a ``Compressor("auto")`` (``config.auto``: its options; ``session``: its group)."""
+
+    def __init__(self, config, state, session):
+        self.config, self.options, self._state, self._session = config, config.auto, state, session
         self.meter = Meter()
-        self.plan = Plan(None)
+        self.layout = "flat"  # the layout of the current plan (:data:`LAYOUTS`)
+        self.layout_open = True  # the layouts are still to be compared (since the measurements last moved)
+        self.layout_times: dict = {}  # layout -> the measured step time of the last layout trial
+        self.plan = Plan(None, flat=True)
         self.chosen: dict = {}  # key -> codec spec of the keys the current decision compresses (the others: dense)
         self.buckets: list | None = None  # (keys, shapes, device) of the last step's groups
         self.costs: list | None = None  # [bucket][candidate] recorded options
@@ -67,7 +94,7 @@ class Autopilot:
         self.decision: dict = {}  # the last decision's numbers, prediction and choice (explain, stats)
         self.decisions, self.switches, self.decided_at = 0, 0, None
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
-        self.trial: tuple | None = None  # (step, the old plan, its measured step time) of the last switch's trial
+        self.trial: Trial | None = None  # the last switch's, until judged
         self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until the measurements move
 
     @property
@@ -81,7 +108,7 @@ class Autopilot:
         if prev is not None and prev.seen:
             self.buckets, self.hooked = prev.seen, prev.overlapped
         due = index >= self.first and (index - self.first) % self.options.every == 0
-        trial = self.trial is not None and index == self.trial[0]
+        trial = self.trial is not None and index == self.trial.at
         if (due or trial) and self.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
             start = self.meter.clock()
             if trial:  # a check due now waits for the next: the trial decides this step
@@ -105,7 +132,7 @@ class Autopilot:
         table = self._gather(comm, local + [o.codec_s for row in self.costs for o in row], device)
         compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
         alpha, step_s = table[:, 2].max().item(), table[:, 3].max().item()
-        dense_step = step_s if self.plan.dense else 0.0
+        dense_step = step_s if self.plan.dense and self.plan.flat else 0.0
         codec = table[:, 4:].max(0).values.view(-1, len(self.options.candidates)).tolist()
         overlap, share = self.fitted
         if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the step as it went
@@ -115,22 +142,50 @@ class Autopilot:
         measured = self.basis is None or self._moved(compute, bandwidth)
         if measured or (self._refitted((overlap, share)) and not self.rejected):
             if measured:  # the link or the compute changed: a plan the trial sent back may be right now
-                self.rejected = []
+                self.rejected, self.layout_open = [], True
             self.fitted = (overlap, share)
             self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s)
+        if self.trial is None:
+            self._try_layout(index, step_s)
 
     def _judge(self, comm, index: int) -> None:
-        """The trial of the last switch: the new plan's measured steps against the old plan's; not faster: back."""
-        _, old_chosen, old_step = self.trial
-        self.trial = None
+        """The trial of the last switch (:class:`Trial`): the new plan's measured steps against the old plan's;
+        then, where the session has nodes and they are still to be compared, the other layout's trial."""
+        trial, self.trial = self.trial, None
         new_step = self._gather(comm, [self.meter.step_s()], self.buckets[0].device)[:, 0].max().item()
-        self.decision.update(trial=(old_step, new_step))
-        if new_step > 0 and old_step > 0 and new_step > old_step * (1 + TRIAL_MARGIN):
-            self.rejected.append(dict(self.chosen))
-            self.switches += 1
-            self._apply(old_chosen)
-            log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
-                     index, self._summary(), new_step, old_step)
+        kept = new_step
+        if trial.kind != "settle":
+            margin = TRIAL_MARGIN if trial.kind == "codec" else 0.0
+            back = new_step > 0 and trial.old_step > 0 and new_step > trial.old_step * (1 + margin)
+            if trial.kind == "codec":
+                self.decision.update(trial=(trial.old_step, new_step))
+                if back:
+                    self.rejected.append(dict(self.chosen))
+            else:
+                self.layout_times = {trial.old[1]: trial.old_step, self.layout: new_step}
+            if back:
+                self.switches += 1
+                kept = trial.old_step
+                self._apply(*trial.old)
+                log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
+                         index, self._summary(), new_step, trial.old_step)
+        self._try_layout(index, kept)
+
+    def _try_layout(self, index: int, step_s: float) -> None:
+        """Start the layout's trial (the current codecs on the other layout) if the session has nodes and the
+        layouts are still to be compared; ``step_s``: the current plan's measured step time (every rank's same)."""
+        if not self.layout_open or not self._layouts():
+            return
+        if step_s <= 0:  # the current plan is not measured yet: measure it first
+            self.trial = Trial(index + TRIAL_STEPS, (dict(self.chosen), self.layout), 0.0, "settle")
+            return
+        self.layout_open = False
+        other = LAYOUTS[1 - LAYOUTS.index(self.layout)]
+        self.trial = Trial(index + TRIAL_STEPS, (dict(self.chosen), self.layout), step_s, "layout")
+        self.switches += 1
+        self._apply(self.chosen, other)
+        log.info("gradcompress auto: step %d: trying the %s exchange (%s; %s took %.4g s/step)", index, other,
+                 self._summary(), LAYOUTS[1 - LAYOUTS.index(other)], step_s)
 
     def _gather(self, comm, local: list, device) -> torch.Tensor:
         """Every rank's ``local`` numbers, rank by rank: the same table on every rank, bit for bit (an all-reduce
@@ -141,6 +196,11 @@ class Autopilot:
         comm.all_reduce(table, monitor=True).wait()
         self.meter.probe_bytes += comm.monitor_bytes - before
         return table.cpu()
+
+    def _layouts(self) -> bool:
+        """Whether flat and hierarchical can be compared: the session has nodes and the groups are exchanges (an
+        FSDP reduce-scatter's layout is not switched)."""
+        return self._session.hierarchy is not None and all(b.kind == "exchange" for b in self.buckets or ())
 
     @property
     def share(self) -> float:
@@ -184,24 +244,35 @@ class Autopilot:
         if chosen != self.chosen and chosen not in self.rejected:
             if self.decided_at is not None:
                 self.switches += 1
-            if self.options.bandwidth is None:  # measured, not told: the switch is tried against the old plan
-                self.trial = (index + TRIAL_STEPS, dict(self.chosen), step_s)
+            # measured, not told: the switch is tried against the old plan; told: its step time is measured for
+            # the layouts' comparison (where there are nodes)
+            if self.options.bandwidth is None or self._layouts():
+                kind = "codec" if self.options.bandwidth is None else "settle"
+                self.trial = Trial(index + TRIAL_STEPS, (dict(self.chosen), self.layout), step_s, kind)
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
                      "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
                      format_rate(8 * link.bandwidth), 1e3 * link.alpha, compute)
         self.decided_at = index
 
-    def _apply(self, chosen: dict) -> None:
-        """Make ``chosen`` (key -> spec) the plan; PowerSGD factors of keys whose codec changed start fresh."""
+    def _apply(self, chosen: dict, layout: str | None = None) -> None:
+        """Make ``chosen`` (key -> spec) the plan, on ``layout`` (default: the current); PowerSGD factors of keys
+        whose codec changed start fresh; a new layout takes the per-worker state along (``Session.relayout``)."""
         changed = [k for k in set(chosen) | set(self.chosen) if chosen.get(k, "none") != self.chosen.get(k, "none")]
         self._state.forget(("q", "p"), changed)
+        if layout is not None and layout != self.layout:
+            session = self._session
+            shapes = {k: s for b in self.buckets for k, s in zip(b.keys, b.shapes)
+                      if layout == "flat" or session.hierarchical(make(chosen.get(k, "none")))}
+            session.relayout(self._state, shapes, layout == "hierarchical")
+            self.layout = layout
         self._set_plan(chosen)
 
     def _set_plan(self, chosen: dict) -> None:
         self.chosen = dict(chosen)
         codecs = {spec: make(spec) for spec in set(chosen.values())}
-        self.plan = Plan(None, {k: codecs[s] for k, s in chosen.items() if not codecs[s].exact})  # dense: default
+        dense_default = {k: codecs[s] for k, s in chosen.items() if not codecs[s].exact}
+        self.plan = Plan(None, dense_default, flat=self.layout == "flat")
 
     def _summary(self) -> str:
         counts: dict = {}
@@ -217,8 +288,9 @@ class Autopilot:
         check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``overlap`` and ``link_share`` (how
         much of the backward pass the exchange hides behind, and the share of the probed bandwidth it gets, fitted on
         the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last switch's
-        trial: the old and the new plan's measured step time, or None) and ``probe_bytes`` (the measuring's own
-        traffic)."""
+        trial: the old and the new plan's measured step time, or None), ``layout`` (``"flat"`` or
+        ``"hierarchical"``), ``layout_step_s`` (layout -> measured step time, from the last comparison of the two;
+        empty without nodes) and ``probe_bytes`` (the measuring's own traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
             counts[spec] = counts.get(spec, 0) + 1
@@ -230,8 +302,8 @@ class Autopilot:
                 "compute_s": last.get("compute_s"), "bandwidth_bit": 8 * last["bandwidth"] if last else None,
                 "latency_s": last.get("alpha"), "link_share": self.share, "overlap": self._overlap(),
                 "predicted_step_s": decision.get("predicted_s"),
-                "dense_step_s": decision.get("dense_s"), "trial": decision.get("trial"),
-                "probe_bytes": self.meter.probe_bytes}
+                "dense_step_s": decision.get("dense_s"), "trial": decision.get("trial"), "layout": self.layout,
+                "layout_step_s": dict(self.layout_times), "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
         """What was measured and why each bucket got its codec: per bucket, the predicted step time with each
@@ -252,6 +324,11 @@ class Autopilot:
                  f"(in the step: x{self.share:.3g}; overlap with the backward pass {self._overlap():.2f}), "
                  f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
                  f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches{tried}"]
+        if self.layout_times:
+            times = ", ".join(f"{k} {v:.4g} s/step" for k, v in self.layout_times.items())
+            lines.append(f"  layout: {self.layout} (measured: {times})")
+        elif self._session.hierarchy is not None:
+            lines.append(f"  layout: {self.layout} (the other not measured yet)")
         choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
         link = Link(self.basis[1], self.basis[2])
         for b, c in enumerate(choice):
@@ -264,11 +341,16 @@ class Autopilot:
 
     def state_dict(self) -> dict:
         """The decision (``plan``: key -> spec), what it was based on, and the counters (plain values)."""
-        return {"plan": dict(self.chosen), "basis": list(self.basis or ()), "fitted": list(self.fitted),
+        return {"plan": dict(self.chosen), "layout": self.layout, "basis": list(self.basis or ()),
+                "fitted": list(self.fitted),
                 "decisions": self.decisions,
                 "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
 
     def load_state_dict(self, state: dict) -> None:
+        self.layout = state.get("layout", "flat")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Compressor.load_state_dict: auto's layout must be one of {', '.join(LAYOUTS)}, got "
+                             f"{self.layout!r}")
         self._set_plan({k: spec for k, spec in state.get("plan", {}).items() if spec != "none"})
         basis = state.get("basis") or ()
         self.basis = tuple(basis) if len(basis) == 3 else None
@@ -279,4 +361,4 @@ class Autopilot:
         self.decided_at = None if decided < 0 else decided
 
 
-__all__ = ["Autopilot", "MEASURE_STEPS", "MOVED", "TRIAL_MARGIN", "TRIAL_STEPS"]
+__all__ = ["Autopilot", "LAYOUTS", "MEASURE_STEPS", "MOVED", "TRIAL_MARGIN", "TRIAL_STEPS", "Trial"]

@@ -138,4 +138,45 @@ class HierarchicalExchange:
                 g[(0,) * g.dim()].add_(flags)
 
 
-__all__ = ["CASTS", "Hierarchy", "HierarchicalExchange", "piece_key", "piece_numel"]
+def to_pieces(intra: Collectives, whole: dict, shapes: dict) -> dict:
+    """Per-worker tensors in gradient space (``whole``: key -> tensor of ``shapes[key]``, e.g. flat error-feedback
+    residuals) as this worker's pieces of their node mean (piece key -> tensor, the hierarchical exchange's state):
+    one reduce-scatter inside the node (every worker of the node calls it with the same keys). The mean over the
+    workers is kept: the pieces' mean over nodes equals the tensors' mean over every worker."""
+    keys = [k for k in shapes if k in whole]
+    if not keys:
+        return {}
+    parts, me = intra.world, intra.rank
+    per = [piece_numel(torch.Size(shapes[k]).numel(), parts) for k in keys]
+    offsets = [0, *itertools.accumulate(per)]
+    send = torch.zeros(parts, offsets[-1], dtype=torch.float32, device=whole[keys[0]].device)
+    for k, o, p in zip(keys, offsets, per):
+        flat = whole[k].reshape(-1).float()
+        for j in range(parts):
+            piece = flat[j * p : (j + 1) * p]
+            send[j, o : o + piece.numel()] = piece
+    shard, work = intra.reduce_scatter(send)
+    intra.wait([work])
+    shard.div_(parts)
+    return {piece_key(k, me, parts): shard[o : o + p].to(whole[k].dtype).clone()
+            for k, o, p in zip(keys, offsets, per)}
+
+
+def to_whole(parts: int, me: int, pieces: dict, shapes: dict) -> dict:
+    """The inverse of :func:`to_pieces` without communication: worker ``me`` holds ``parts`` times its piece, zeros
+    elsewhere (key -> tensor of ``shapes[key]``): the mean over every worker equals the pieces' mean over nodes."""
+    out = {}
+    for k, shape in shapes.items():
+        piece = pieces.get(piece_key(k, me, parts))
+        if piece is None:
+            continue
+        numel = torch.Size(shape).numel()
+        p = piece_numel(numel, parts)
+        whole = torch.zeros(numel, dtype=piece.dtype, device=piece.device)
+        n = max(min(p, numel - me * p), 0)
+        whole[me * p : me * p + n] = piece[:n] * parts
+        out[k] = whole.view(shape)
+    return out
+
+
+__all__ = ["CASTS", "Hierarchy", "HierarchicalExchange", "piece_key", "piece_numel", "to_pieces", "to_whole"]
