@@ -120,6 +120,49 @@ def test_the_trial_goes_back_when_the_new_plan_is_not_faster(new_step, kept):
         assert pilot.chosen == {} and pilot.plan.dense and pilot.rejected == [new] and pilot.switches == 1
 
 
+def test_calibration_cache_runs_nothing_the_second_time(tmp_path, monkeypatch):
+    """The first record runs every candidate on every bucket (twice: the faster time counts) and writes the cache;
+    a second run on this machine (a new Cache, read from the file) runs nothing and gets the same rounds and times.
+    Another world size or configuration is a miss; ``GRADCOMPRESS_CACHE=off`` writes nothing."""
+    from gradcompress.autopilot import calibration, decide
+
+    runs = []
+    real = decide._run_once
+    monkeypatch.setattr(decide, "_run_once", lambda *a: runs.append(a[-1].spec) or real(*a))
+    file = tmp_path / "cal.json"
+    monkeypatch.setenv(calibration.ENV, str(file))
+    config = Config.parse("auto", {})
+    first = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache())
+    assert len(runs) == 2 * len(SHAPES) * len(config.auto.candidates) and file.exists()
+    runs.clear()
+    again = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache())
+    assert runs == [] and again == first
+    record(config, 8, _buckets()[:1], config.auto.candidates, calibration.Cache())  # another world: measured
+    assert len(runs) == 2 * len(config.auto.candidates)
+    runs.clear()
+    other = Config.parse("auto:min_numel=16", {})
+    record(other, 4, _buckets()[:1], other.auto.candidates, calibration.Cache())
+    assert len(runs) == 2 * len(other.auto.candidates)
+    monkeypatch.setenv(calibration.ENV, "off")
+    assert calibration.path() is None
+    off = calibration.Cache()
+    record(config, 4, _buckets(), config.auto.candidates, off)
+    assert off.file is None and len(off.entries) == len(SHAPES) * len(config.auto.candidates)
+
+
+def test_calibration_cache_unreadable_is_measured_again(tmp_path, monkeypatch):
+    from gradcompress.autopilot import calibration
+
+    file = tmp_path / "cal.json"
+    file.write_text("{not json")
+    monkeypatch.setenv(calibration.ENV, str(file))
+    with pytest.warns(RuntimeWarning, match="calibration cache .* is unreadable"):
+        cache = calibration.Cache()
+    config = Config.parse("auto", {})
+    record(config, 4, _buckets()[:1], config.auto.candidates, cache)
+    assert len(calibration.Cache().entries) == len(config.auto.candidates)  # replaced by a readable file
+
+
 def test_choose_keeps_within_the_budget():
     config = Config.parse("auto", {})
     options = record(config, 4, _buckets(), config.auto.candidates)

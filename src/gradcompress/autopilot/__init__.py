@@ -5,7 +5,8 @@ measured (:mod:`.measure`: the compute time of each step); then, at that step an
 every rank at the same step (the committed step count, equal everywhere):
 
 1. each rank measures (the link by probes unless ``bandwidth=`` is given; the compute time; at the first check the
-   codecs' cost on its buckets, :func:`.decide.record`);
+   codecs' cost on its buckets, :func:`.decide.record`, unless an earlier run on this machine and device left them
+   in the calibration cache, :mod:`.calibration`);
 2. every rank's numbers are gathered (one small all-reduce: every rank gets the same table, bit for bit) and
    combined the same way everywhere: the slowest compute, the slowest link, the costliest codec run;
 3. if no decision was made yet, or the link rate or the compute time moved by more than 25 % since the last one,
@@ -42,6 +43,7 @@ from ..schedule import Plan
 from ..spec import make
 from ..collectives import LocalCollectives
 from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
+from .calibration import Cache
 from .decide import Link, choose, fit_link, predict, record
 from .measure import Meter
 
@@ -122,7 +124,9 @@ class Autopilot:
     def _check(self, comm, index: int) -> None:
         keys = [b.keys for b in self.buckets]
         if self.costs is None or self._costs_for != keys:
-            self.costs, self._costs_for = record(self.config, comm.world, self.buckets, self.options.candidates), keys
+            cache = Cache()  # the calibration of an earlier run on this machine and device, where there is one
+            self.costs = record(self.config, comm.world, self.buckets, self.options.candidates, cache)
+            self._costs_for = keys
         device = self.buckets[0].device
         if self.options.bandwidth is None:
             bandwidth, alpha = self.meter.link(comm, self._traffic() * self.options.every, device)

@@ -40,6 +40,8 @@ from ..spec import make
 from ..state import State
 from ..step import Step
 from ..timing import BACKWARD_SHARE, BucketWork, Round, round_seconds, simulate_step
+from . import calibration
+from .calibration import Cache
 
 #: compression must beat dense by this share of the predicted step to be chosen
 MIN_GAIN = 0.02
@@ -66,14 +68,25 @@ def _numel(shapes) -> int:
     return sum(int(torch.Size(s).numel()) for s in shapes)
 
 
-def record(config, world: int, buckets, candidates) -> list[list[Option]]:
-    """``[bucket][candidate]`` :class:`Option` of each candidate spec on each bucket ``(keys, shapes, device)``."""
+def record(config, world: int, buckets, candidates, cache: Cache | None = None) -> list[list[Option]]:
+    """``[bucket][candidate]`` :class:`Option` of each candidate spec on each bucket ``(keys, shapes, device)``;
+    ``cache`` (:class:`~.calibration.Cache`): entries found there are not run, those run are added to it."""
     gen = torch.Generator().manual_seed(config.seed)
     config = dataclasses.replace(config, monitor_every=0)  # the recording is not a monitored step
-    out = []
+    out, new = [], {}
     for seen in buckets:
         flat = torch.randn(_numel(seen.shapes), generator=gen).to(seen.device or "cpu")
-        out.append([_record_one(config, world, seen, flat, spec) for spec in candidates])
+        row = []
+        for spec in candidates:
+            entry = calibration.key(config, world, seen, spec) if cache is not None and allowed(spec, seen) else None
+            found = cache.get(entry) if entry is not None else None
+            option = Option(spec, *found) if found else _record_one(config, world, seen, flat, spec)
+            if entry is not None and not found:
+                new[entry] = (option.rounds, option.codec_s)
+            row.append(option)
+        out.append(row)
+    if cache is not None:
+        cache.put(new)
     return out
 
 

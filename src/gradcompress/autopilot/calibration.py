@@ -1,0 +1,145 @@
+"""The autopilot's calibration cache: what each candidate cost on a bucket, kept on disk per machine and device.
+
+At its first decision the autopilot runs every candidate's exchange of every bucket on a recording of the
+collectives (:func:`.decide.record`): the rounds and bytes, and the codec's time on this device for those shapes
+(the faster of two runs). The next run on the same machine, device type and library finds them here and runs
+nothing: its first decision costs a lookup.
+
+**Where**: ``$GRADCOMPRESS_CACHE`` (a file path; ``off`` turns the cache off), else
+``$XDG_CACHE_HOME/gradcompress/calibration.json``, else ``~/.cache/gradcompress/calibration.json``. One JSON object,
+entry key -> ``{"rounds": [[[kind, nbytes, sent, world, link], ...], ...], "codec_s": seconds}``.
+
+**What a key covers** (a hash of all of it): the machine (CPU model and flags, or the CUDA device's name and
+capability), the torch and gradcompress versions, torch's thread count, the candidate's spec, the bucket's shapes
+and kind, the group's size and the Compressor's configuration (error feedback, ``min_numel``, residual dtype). A
+change of any of these is a miss, measured and added.
+
+Every rank reads and writes the same file on a machine; a write replaces the file atomically (a rank's entries may
+be lost to another's write at the same moment, never half-written). An unreadable file is ignored (and replaced at
+the next write) with a warning; an unwritable one leaves the cache in memory for this run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+import warnings
+
+import torch
+
+from ..collectives import Issued
+
+ENV = "GRADCOMPRESS_CACHE"
+
+
+def path() -> str | None:
+    """The cache file, or None when ``GRADCOMPRESS_CACHE=off``."""
+    given = os.environ.get(ENV)
+    if given:
+        return None if given.strip().lower() == "off" else given
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "gradcompress", "calibration.json")
+
+
+def _cpu() -> str:
+    """The CPU's model name and a hash of its flags (the first processor of ``/proc/cpuinfo``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
+    return f"{fields.get('model name', platform.machine())}/{flags}"
+
+
+def machine(device) -> str:
+    """What codec times on ``device`` depend on: the CPU or the CUDA device, torch, gradcompress, threads."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}/{torch.cuda.get_device_capability(device)}"
+    else:
+        where = _cpu()
+    return f"{device.type}|{where}|torch {torch.__version__}|gradcompress {_version()}|{torch.get_num_threads()}"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("gradcompress")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown"
+
+
+def key(config, world: int, seen, spec: str) -> str:
+    """The cache key of candidate ``spec`` on the group ``seen`` (a :class:`~gradcompress.step.Seen`)."""
+    parts = [machine(seen.device), spec, world, seen.kind, seen.shapes, seen.out, seen.scale,
+             config.error_feedback, config.min_numel, str(config.residual_dtype), config.seed]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+class Cache:
+    """The entries of the cache file (:func:`path`), read once; :meth:`put` adds and writes them back."""
+
+    def __init__(self, file: str | None = None):
+        self.file = path() if file is None else file
+        self.entries: dict = self._read()
+
+    def _read(self) -> dict:
+        if self.file is None or not os.path.exists(self.file):
+            return {}
+        try:
+            with open(self.file) as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return data
+        except (OSError, ValueError) as err:
+            warnings.warn(f"gradcompress auto: the calibration cache {self.file} is unreadable ({err}); measuring "
+                          "again (it is replaced)", RuntimeWarning, stacklevel=3)
+            return {}
+
+    def get(self, entry: str) -> tuple[tuple, float] | None:
+        """(rounds, codec seconds) of a cached entry, or None."""
+        found = self.entries.get(entry)
+        if found is None:
+            return None
+        try:
+            rounds = tuple(tuple(Issued(*c) for c in r) for r in found["rounds"])
+            return rounds, float(found["codec_s"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, items: dict) -> None:
+        """Add ``items`` (entry -> (rounds, codec seconds)) and write the file (atomically; failures warn)."""
+        if not items:
+            return
+        for entry, (rounds, seconds) in items.items():
+            self.entries[entry] = {"rounds": [[list(c) for c in r] for r in rounds], "codec_s": seconds}
+        if self.file is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.file) or ".", exist_ok=True)
+            merged = {**self._read_quietly(), **self.entries}
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.file) or ".", prefix=".calibration-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f)
+            os.replace(tmp, self.file)
+        except OSError as err:
+            warnings.warn(f"gradcompress auto: cannot write the calibration cache {self.file} ({err}); kept for "
+                          "this run only", RuntimeWarning, stacklevel=3)
+
+    def _read_quietly(self) -> dict:
+        """What another rank may have written since this one read the file (nothing if unreadable)."""
+        try:
+            with open(self.file) as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+
+__all__ = ["Cache", "ENV", "key", "machine", "path"]
