@@ -30,7 +30,8 @@ def _buckets():
     ("auto:budget=tight", "auto: budget must be one of safe, any, got 'tight'"),
     ("auto:bandwidth=fast", "auto: bandwidth: bad rate 'fast'"),
     ("auto:every=0", "auto: every must be an integer >= 1, got 0"),
-    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every; Compressor options"),
+    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate; Compressor options"),
+    ("auto:allocate=2", "auto: allocate must be true or false, got 2"),
 ])
 def test_bad_options_are_one_clear_error(spec, message):
     with pytest.raises(ValueError) as err:

@@ -9,6 +9,10 @@
   ``none`` (dense), ``bf16``, ``int8``, ``int4``, each within 0.5 % of DDP's validation loss on the LM task under
   AdamW with the library's defaults (README's LM table: int8 ±0.0 %, int4 +0.5 %). ``any`` adds PowerSGD rank 4 and
   rank 1, ``sign`` and ``topk:ratio=0.01``, which cut far more bytes but cost 5-11 % there.
+* ``allocate=true|false`` (default false): the error budget measured per tensor: where the cost model gives a
+  bucket ``int4``, each of its tensors gets ``int8``, ``int4`` or ``int2``, the fewest bytes with the bucket's total
+  squared error within ``int4``'s, measured on the gradients of the step before the decision
+  (:mod:`gradcompress.autopilot.allocate`, L-GreCo's idea).
 * ``every=N`` (default 20): the autopilot re-measures every N steps and re-decides when the link rate or the compute
   time moved by more than 25 % since its last decision.
 """
@@ -23,7 +27,7 @@ BUDGETS = {
     "safe": ("none", "bf16", "int8", "int4"),
     "any": ("none", "bf16", "int8", "int4", "powersgd:rank=4", "powersgd:rank=1", "sign", "topk:ratio=0.01"),
 }
-OPTIONS = ("bandwidth", "budget", "every")
+OPTIONS = ("bandwidth", "budget", "every", "allocate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Auto:
     bandwidth: float | None = None
     budget: str = "safe"
     every: int = 20
+    allocate: bool = False
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -41,7 +46,8 @@ class Auto:
 
     def text(self) -> str:
         rate = "measured" if self.bandwidth is None else format_rate(self.bandwidth).replace(" ", "")
-        return f"auto:bandwidth={rate},budget={self.budget},every={self.every}"
+        allocate = ",allocate=true" if self.allocate else ""
+        return f"auto:bandwidth={rate},budget={self.budget},every={self.every}{allocate}"
 
 
 def parse(options: dict) -> Auto:
@@ -58,7 +64,10 @@ def parse(options: dict) -> Auto:
     every = options.get("every", 20)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"auto: every must be an integer >= 1, got {every!r}")
-    return Auto(rate, budget, every)
+    allocate = options.get("allocate", False)
+    if not isinstance(allocate, bool):
+        raise ValueError(f"auto: allocate must be true or false, got {allocate!r}")
+    return Auto(rate, budget, every, allocate)
 
 
 __all__ = ["Auto", "BUDGETS", "OPTIONS", "parse"]

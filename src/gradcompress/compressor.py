@@ -126,6 +126,8 @@ class Compressor:
             plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
         self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit,
                           deferred=deferred, silent=silent)
+        if self.autopilot is not None and self.autopilot.wants_sample(self.state.step):
+            self._step.sample = {}
         return self._step
 
     def bind(self, group) -> "Compressor":

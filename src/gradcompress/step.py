@@ -93,6 +93,9 @@ class Step:
         #: each group of tensors averaged, in order (:class:`Seen`: the autopilot's buckets)
         self.seen: list[Seen] = []
         self.overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
+        #: a dict: this step keeps a copy of each exchanged tensor as given (key -> tensor; the autopilot's error
+        #: measurement), None: it does not
+        self.sample: dict | None = None
         self.raw_bytes = 0
         self.codec_seconds = 0.0
         self.open = True
@@ -114,6 +117,8 @@ class Step:
             for t in tensors:
                 t.zero_()
         self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
+        if self.sample is not None:
+            self.sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:

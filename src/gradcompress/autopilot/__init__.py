@@ -43,6 +43,7 @@ from ..schedule import Plan
 from ..spec import make
 from ..collectives import LocalCollectives
 from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
+from .allocate import LEVELS, REFERENCE, allocate, errors, payload_bytes
 from .calibration import Cache
 from .decide import Link, choose, fit_link, predict, record
 from .measure import Meter
@@ -98,6 +99,8 @@ class Autopilot:
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
         self.trial: Trial | None = None  # the last switch's, until judged
         self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until the measurements move
+        self.sample: dict | None = None  # the previous step's inputs, where it kept them (``allocate``)
+        self.allocation: dict = {}  # the last per-tensor allocation's summary (explain, stats)
 
     @property
     def first(self) -> int:
@@ -107,6 +110,7 @@ class Autopilot:
         """The plan of step ``index`` (``prev``: the previous step, None at the first); at a check step, every rank
         measures and decides together (collectives on ``comm``)."""
         self.meter.step_started(comm, prev)
+        self.sample = prev.sample if prev is not None else None
         if prev is not None and prev.seen:
             self.buckets, self.hooked = prev.seen, prev.overlapped
         due = index >= self.first and (index - self.first) % self.options.every == 0
@@ -119,6 +123,11 @@ class Autopilot:
                 self._check(comm, index)
             self.meter.excluded += self.meter.clock() - start
         return self.plan
+
+    def wants_sample(self, index: int) -> bool:
+        """Whether step ``index`` keeps its inputs: with ``allocate``, the step before each check."""
+        after = index + 1 - self.first
+        return self.options.allocate and after >= 0 and after % self.options.every == 0
 
     # ---------------------------------------------------------------- one check
     def _check(self, comm, index: int) -> None:
@@ -133,11 +142,14 @@ class Autopilot:
         else:
             bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
         local = [self.meter.compute_s(), bandwidth, alpha, self.meter.step_s()]
-        table = self._gather(comm, local + [o.codec_s for row in self.costs for o in row], device)
+        costs = [o.codec_s for row in self.costs for o in row]
+        keys = self._allocatable() if self.sample is not None else []
+        table = self._gather(comm, local + costs + errors(self.sample, keys), device)
+        err = table[:, 4 + len(costs):].sum(0).view(len(keys), len(LEVELS)) if keys else None
         compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
         alpha, step_s = table[:, 2].max().item(), table[:, 3].max().item()
         dense_step = step_s if self.plan.dense and self.plan.flat else 0.0
-        codec = table[:, 4:].max(0).values.view(-1, len(self.options.candidates)).tolist()
+        codec = table[:, 4:4 + len(costs)].max(0).values.view(-1, len(self.options.candidates)).tolist()
         overlap, share = self.fitted
         if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the step as it went
             overlap, share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute,
@@ -148,7 +160,7 @@ class Autopilot:
             if measured:  # the link or the compute changed: a plan the trial sent back may be right now
                 self.rejected, self.layout_open = [], True
             self.fitted = (overlap, share)
-            self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s)
+            self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s, (keys, err))
         if self.trial is None:
             self._try_layout(index, step_s)
 
@@ -220,9 +232,13 @@ class Autopilot:
         return abs(fitted[0] - self.fitted[0]) > MOVED or abs(fitted[1] - self.share) > MOVED * self.share
 
     def _current(self) -> list[int]:
-        """The current plan as a candidate index per bucket (0: dense)."""
+        """The current plan as a candidate index per bucket (0: dense; a bucket of allocated levels: the reference)."""
         index = {spec: i for i, spec in enumerate(self.options.candidates)}
-        return [index[self.chosen.get(b.keys[0], "none")] if b.keys else 0 for b in self.buckets]
+        out = []
+        for b in self.buckets:
+            specs = {self.chosen.get(k, "none") for k in b.keys} or {"none"}
+            out.append(index[specs.pop()] if len(specs) == 1 and specs <= set(index) else index.get(REFERENCE, 0))
+        return out
 
     def _traffic(self) -> int:
         """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
@@ -235,7 +251,8 @@ class Autopilot:
     def _sizes(self) -> list[int]:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
-    def _decide(self, index: int, compute: float, link: Link, codec: list, step_s: float) -> None:
+    def _decide(self, index: int, compute: float, link: Link, codec: list, step_s: float,
+                measured_errors: tuple = ((), None)) -> None:
         """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed (unless
         the trial rejected that plan since the measurements last moved); ``step_s``: the current plan's measured
         step, what a switch is judged against :data:`TRIAL_STEPS` steps later."""
@@ -244,6 +261,8 @@ class Autopilot:
         self.basis = (compute, link.bandwidth, link.alpha)
         self.decision = dict(self.last, predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
         chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys if c}
+        if measured_errors[1] is not None:
+            chosen = self._allocated(chosen, *measured_errors)
         self.decisions += 1
         if chosen != self.chosen and chosen not in self.rejected:
             if self.decided_at is not None:
@@ -258,6 +277,33 @@ class Autopilot:
                      "latency %.3g ms, compute %.4g s)", index, self._summary(), predicted, dense,
                      format_rate(8 * link.bandwidth), 1e3 * link.alpha, compute)
         self.decided_at = index
+
+    def _allocatable(self) -> list:
+        """Keys the per-tensor allocation may measure: every exchanged tensor the codec would compress (the same
+        list on every rank)."""
+        return [k for b in self.buckets if b.kind == "exchange" for k, s in zip(b.keys, b.shapes)
+                if torch.Size(s).numel() >= self.config.min_numel]
+
+    def _allocated(self, chosen: dict, keys: list, err: torch.Tensor) -> dict:
+        """``chosen`` with the tensors given :data:`REFERENCE` re-allocated among :data:`LEVELS`
+        (:func:`.allocate.allocate`: the fewest bytes within their total error under the reference)."""
+        rows = [i for i, k in enumerate(keys) if chosen.get(k) == REFERENCE]
+        if not rows:
+            return chosen
+        sizes = {k: int(torch.Size(s).numel()) for b in self.buckets for k, s in zip(b.keys, b.shapes)}
+        numels = [sizes[keys[i]] for i in rows]
+        nbytes, sub = payload_bytes(numels), err[rows]
+        levels = allocate(sub, nbytes)
+        out = dict(chosen)
+        out.update((keys[i], LEVELS[c]) for i, c in zip(rows, levels))
+        pick = torch.tensor(levels)[:, None]
+        ref = LEVELS.index(REFERENCE)
+        self.allocation = {"tensors": {spec: levels.count(i) for i, spec in enumerate(LEVELS)},
+                           "payload_bytes": float(nbytes.gather(1, pick).sum()),
+                           "reference_bytes": float(nbytes[:, ref].sum()),
+                           "error": float(sub.double().gather(1, pick).sum()),
+                           "reference_error": float(sub.double()[:, ref].sum())}
+        return out
 
     def _apply(self, chosen: dict, layout: str | None = None) -> None:
         """Make ``chosen`` (key -> spec) the plan, on ``layout`` (default: the current); PowerSGD factors of keys
@@ -281,7 +327,7 @@ class Autopilot:
     def _summary(self) -> str:
         counts: dict = {}
         for b in self.buckets or []:
-            spec = self.chosen.get(b.keys[0], "none") if b.keys else "none"
+            spec = "+".join(sorted({self.chosen.get(k, "none") for k in b.keys})) if b.keys else "none"
             counts[spec] = counts.get(spec, 0) + 1
         return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())
 
@@ -294,7 +340,8 @@ class Autopilot:
         the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last switch's
         trial: the old and the new plan's measured step time, or None), ``layout`` (``"flat"`` or
         ``"hierarchical"``), ``layout_step_s`` (layout -> measured step time, from the last comparison of the two;
-        empty without nodes) and ``probe_bytes`` (the measuring's own traffic)."""
+        empty without nodes), ``allocation`` (``allocate=true``: tensors per level, payload bytes and squared error
+        against the reference's; empty otherwise) and ``probe_bytes`` (the measuring's own traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
             counts[spec] = counts.get(spec, 0) + 1
@@ -307,7 +354,8 @@ class Autopilot:
                 "latency_s": last.get("alpha"), "link_share": self.share, "overlap": self._overlap(),
                 "predicted_step_s": decision.get("predicted_s"),
                 "dense_step_s": decision.get("dense_s"), "trial": decision.get("trial"), "layout": self.layout,
-                "layout_step_s": dict(self.layout_times), "probe_bytes": self.meter.probe_bytes}
+                "layout_step_s": dict(self.layout_times), "allocation": dict(self.allocation),
+                "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
         """What was measured and why each bucket got its codec: per bucket, the predicted step time with each
@@ -333,6 +381,12 @@ class Autopilot:
             lines.append(f"  layout: {self.layout} (measured: {times})")
         elif self._session.hierarchy is not None:
             lines.append(f"  layout: {self.layout} (the other not measured yet)")
+        a = self.allocation
+        if a:
+            counts = ", ".join(f"{spec} x{n}" for spec, n in a["tensors"].items() if n)
+            lines.append(f"  per-tensor allocation of the {REFERENCE} buckets (allocate=true): {counts}; payload "
+                         f"{a['payload_bytes'] / 1e3:.4g} KB against {a['reference_bytes'] / 1e3:.4g} KB with "
+                         f"{REFERENCE} everywhere, squared error {a['error']:.4g} against {a['reference_error']:.4g}")
         choice, cands, sizes = last["choice"], self.options.candidates, last["sizes"]
         link = Link(self.basis[1], self.basis[2])
         for b, c in enumerate(choice):
