@@ -164,6 +164,30 @@ def test_calibration_cache_unreadable_is_measured_again(tmp_path, monkeypatch):
     assert len(calibration.Cache().entries) == len(config.auto.candidates)  # replaced by a readable file
 
 
+def test_allocation_within_the_error_budget_and_never_more_bytes():
+    """allocate=true's per-tensor levels: the total squared error never exceeds int4-everywhere's, the bytes never
+    exceed it; a tensor whose gradient dominates the error gets int8, which pays for int2 on small ones."""
+    from gradcompress.autopilot.allocate import LEVELS, allocate, errors, payload_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        sizes = [int(n) for n in torch.randint(1024, 20000, (6,), generator=gen)]
+        scales = torch.rand(6, generator=gen).pow(4)
+        sample = {k: torch.randn(n, generator=gen) * float(s) for k, (n, s) in enumerate(zip(sizes, scales))}
+        err = torch.tensor(errors(sample, range(6))).view(6, len(LEVELS))
+        assert (err[:, 0] < err[:, 1]).all() and (err[:, 1] < err[:, 2]).all()  # int8 < int4 < int2
+        nbytes = payload_bytes(sizes)
+        pick = torch.tensor(allocate(err, nbytes))[:, None]
+        assert float(err.double().gather(1, pick).sum()) <= float(err[:, 1].double().sum()) * (1 + 1e-12)
+        assert float(nbytes.gather(1, pick).sum()) <= float(nbytes[:, 1].sum())
+    sample = {0: torch.randn(4096, generator=gen), 1: 0.01 * torch.randn(8192, generator=gen),
+              2: 0.1 * torch.randn(2048, generator=gen)}
+    err = torch.tensor(errors(sample, [0, 1, 2])).view(3, len(LEVELS))
+    assert [LEVELS[c] for c in allocate(err, payload_bytes([4096, 8192, 2048]))] == ["int8", "int2", "int2"]
+    same = torch.tensor([[1.0, 300.0, 2000.0]] * 3)  # alike tensors: nothing to trade, int4 everywhere
+    assert allocate(same, payload_bytes([4096] * 3)) == [1, 1, 1]
+
+
 def test_choose_keeps_within_the_budget():
     config = Config.parse("auto", {})
     options = record(config, 4, _buckets(), config.auto.candidates)
