@@ -107,8 +107,7 @@ class Compressor:
         return self.begin_step(collectives, **options)
 
     def begin_step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
-                   should_commit: Callable[[], bool] | None = None, deferred: bool = False,
-                   silent: bool = False) -> Step:
+                   should_commit: Callable[[], bool] | None = None, deferred: bool = False, silent: bool = False):
         """Open a step on the process group (or on ``collectives``, e.g. ``LocalCollectives(1)`` for a single
         process without ``torch.distributed``). ``plan``: the step's key -> codec (default: the codec, warm-up and
         schedule at this position); ``should_commit``: an outside decision asked at the step's end on every rank:
@@ -121,14 +120,13 @@ class Compressor:
         self._reconcile_world(comm.world)
         session.resolve()
         session.check_topology(self._pending.pop("topology", None))
+        auto, i = self.autopilot, self.state.step
         if plan is None:
-            auto, i = self.autopilot, self.state.step
             plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
-        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan, should_commit,
-                          deferred=deferred, silent=silent)
-        if self.autopilot is not None and self.autopilot.wants_sample(self.state.step):
-            self._step.sample = {}
-        return self._step
+        step = self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan,
+                                 should_commit, deferred=deferred, silent=silent)
+        step.sample = {} if auto is not None and auto.wants_sample(i) else None  # the autopilot's error measurement
+        return step
 
     def bind(self, group) -> "Compressor":
         """Average over ``group`` (an adapter's: the DDP model's, FSDP's); ``ValueError`` if another was given."""
