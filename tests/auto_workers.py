@@ -245,3 +245,23 @@ def relayout_invariant(rank: int, world: int, steps: int, to_nodes: int, back: i
     gap = max(float((delivered[k] + residual[k] - exact[k]).abs().max()) for k in shapes)
     pieces = sorted(str(k) for k in comp.residual)
     return {"gap": gap, "kept": kept, "keys": pieces, "hier": comp.hierarchy is not None}
+
+
+def regime_train(rank: int, world: int, steps: int, scale_at: int) -> dict:
+    """DDP with ``auto:bandwidth=10mbit,every=2``; from step ``scale_at`` the loss is multiplied by 10 on every rank
+    (the gradient norm jumps: Accordion's critical regime): the plan at each step, replica equality, the stats."""
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=10mbit,every=2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    plans, equal, critical = [], [], []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        scale = 10.0 if step >= scale_at else 1.0
+        (scale * nn.functional.cross_entropy(model(x), y)).backward()
+        opt.step()
+        plans.append(_plan_text(comp))
+        critical.append(comp.autopilot.critical)
+        equal.append(_replicas_equal(model))
+    return {"plans": plans, "equal": equal, "critical": critical, "stats": comp.stats()["auto"],
+            "explain": comp.explain()}

@@ -30,13 +30,23 @@ def _buckets():
     ("auto:budget=tight", "auto: budget must be one of safe, any, got 'tight'"),
     ("auto:bandwidth=fast", "auto: bandwidth: bad rate 'fast'"),
     ("auto:every=0", "auto: every must be an integer >= 1, got 0"),
-    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate; Compressor options"),
+    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate, critical; Compressor options"),
+    ("auto:critical=-1", "auto: critical must be a number >= 0 (0: off), got -1"),
     ("auto:allocate=2", "auto: allocate must be true or false, got 2"),
 ])
 def test_bad_options_are_one_clear_error(spec, message):
     with pytest.raises(ValueError) as err:
         gradcompress.Compressor(spec)
     assert message in str(err.value)
+
+
+def test_auto_refuses_hsdp_with_the_reason():
+    """HSDP's replica all-reduce (a topology of two process groups) is not decided by auto: one clear error."""
+    from gradcompress.topology import Topology
+
+    with pytest.raises(ValueError, match="'auto' does not choose for HSDP's replica all-reduce"):
+        Config.parse("auto", {"topology": Topology(2, 2, 0, 0, None, None)})
+    assert Config.parse("auto", {"topology": 2}).topology == 2  # nodes by count: measured flat against hierarchical
 
 
 def test_auto_options_in_the_config_text_and_keywords_merge():
@@ -186,6 +196,40 @@ def test_allocation_within_the_error_budget_and_never_more_bytes():
     assert [LEVELS[c] for c in allocate(err, payload_bytes([4096, 8192, 2048]))] == ["int8", "int2", "int2"]
     same = torch.tensor([[1.0, 300.0, 2000.0]] * 3)  # alike tensors: nothing to trade, int4 everywhere
     assert allocate(same, payload_bytes([4096] * 3)) == [1, 1, 1]
+
+
+def test_critical_regime_from_the_gradient_norm():
+    """Accordion's detector: a check whose gradient norm moved by more than ``critical`` (relative) from the last
+    check's enters a critical regime; one that moved less leaves it; each change counted. In it, choose() keeps
+    to the allowed candidates (int4 left out of ``safe``)."""
+    from gradcompress.autopilot import Autopilot
+    from gradcompress.session import Session
+    from gradcompress.state import State
+
+    config = Config.parse("auto", {})
+    pilot = Autopilot(config, State(), Session(config))
+    assert [pilot._regime(n) for n in (1.0, 1.2, 2.0, 2.1, 2.2)] == [False, False, True, True, False]
+    assert pilot.critical is False and pilot.regimes == 2 and pilot.norms == [2.1, 2.2]
+    assert config.auto.critical_candidates == ("none", "bf16", "int8")
+    options = record(config, 4, _buckets(), config.auto.candidates)
+    slow = Link(payload_bandwidth(1e6), 1e-4)
+    free, _, _ = choose(options, [1, 1, 1], slow, 0.05, overlap=1.0)
+    kept, _, _ = choose(options, [1, 1, 1], slow, 0.05, overlap=1.0, allowed=[0, 1, 2])
+    assert 3 in free and 3 not in kept and kept != [0, 0, 0]
+
+
+def test_a_critical_regime_compresses_less_and_replicas_stay_equal():
+    """The loss is scaled by 10 from step 8 on every rank: the check at 9 sees the gradient norm jump and goes
+    critical (int8 instead of int4, not tried against the step time), the check at 11 sees it steady and goes back
+    to int4; replicas equal at every step."""
+    results = launch.run(auto_workers.regime_train, 4, 14, 8, timeout=240)
+    for r in results:
+        assert all(r["equal"])
+        assert set(eval(r["plans"][3])) == {(k, "int4") for k in range(6)} and not any(r["critical"][:9])
+        assert r["critical"][9] and set(eval(r["plans"][9])) == {(k, "int8") for k in range(6)}
+        assert not r["critical"][11] and set(eval(r["plans"][11])) == {(k, "int4") for k in range(6)}
+        assert r["stats"]["regimes"] == 2 and r["stats"]["grad_norm"] > 0
+    assert results[0]["plans"] == results[1]["plans"]
 
 
 def test_choose_keeps_within_the_budget():

@@ -13,6 +13,12 @@
   bucket ``int4``, each of its tensors gets ``int8``, ``int4`` or ``int2``, the fewest bytes with the bucket's total
   squared error within ``int4``'s, measured on the gradients of the step before the decision
   (:mod:`gradcompress.autopilot.allocate`, L-GreCo's idea).
+* ``critical=ETA`` (default 0.5; 0: off): Accordion's detector of critical regimes (Agarwal et al. 2021). At each
+  check the norm of the gradients of the step before it (each rank's, before the exchange; the ranks' squares
+  summed) is compared with the previous check's: a relative change above ETA is a critical regime, in which the
+  budget's riskiest codecs are left out (:data:`CRITICAL_DROPS`: ``safe`` drops ``int4``, ``any`` drops PowerSGD,
+  sign and top-k) until a check finds the change below ETA again. Such a switch is made for the loss, not the
+  speed: it is not tried against the old plan's step time.
 * ``every=N`` (default 20): the autopilot re-measures every N steps and re-decides when the link rate or the compute
   time moved by more than 25 % since its last decision.
 """
@@ -27,7 +33,9 @@ BUDGETS = {
     "safe": ("none", "bf16", "int8", "int4"),
     "any": ("none", "bf16", "int8", "int4", "powersgd:rank=4", "powersgd:rank=1", "sign", "topk:ratio=0.01"),
 }
-OPTIONS = ("bandwidth", "budget", "every", "allocate")
+#: the codecs a budget leaves out in a critical regime (``critical=``)
+CRITICAL_DROPS = {"safe": ("int4",), "any": ("powersgd:rank=4", "powersgd:rank=1", "sign", "topk:ratio=0.01")}
+OPTIONS = ("bandwidth", "budget", "every", "allocate", "critical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +46,23 @@ class Auto:
     budget: str = "safe"
     every: int = 20
     allocate: bool = False
+    critical: float = 0.5
 
     @property
     def candidates(self) -> tuple[str, ...]:
         """The codec specs the budget allows, ``"none"`` (dense) first."""
         return BUDGETS[self.budget]
 
+    @property
+    def critical_candidates(self) -> tuple[str, ...]:
+        """The candidates in a critical regime."""
+        return tuple(c for c in self.candidates if c not in CRITICAL_DROPS[self.budget])
+
     def text(self) -> str:
         rate = "measured" if self.bandwidth is None else format_rate(self.bandwidth).replace(" ", "")
         allocate = ",allocate=true" if self.allocate else ""
-        return f"auto:bandwidth={rate},budget={self.budget},every={self.every}{allocate}"
+        critical = "" if self.critical == 0.5 else f",critical={self.critical:g}"  # the default unsaid: old texts hold
+        return f"auto:bandwidth={rate},budget={self.budget},every={self.every}{critical}{allocate}"
 
 
 def parse(options: dict) -> Auto:
@@ -67,7 +82,10 @@ def parse(options: dict) -> Auto:
     allocate = options.get("allocate", False)
     if not isinstance(allocate, bool):
         raise ValueError(f"auto: allocate must be true or false, got {allocate!r}")
-    return Auto(rate, budget, every, allocate)
+    critical = options.get("critical", 0.5)
+    if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not critical >= 0:
+        raise ValueError(f"auto: critical must be a number >= 0 (0: off), got {critical!r}")
+    return Auto(rate, budget, every, allocate, float(critical))
 
 
-__all__ = ["Auto", "BUDGETS", "OPTIONS", "parse"]
+__all__ = ["Auto", "BUDGETS", "CRITICAL_DROPS", "OPTIONS", "parse"]

@@ -57,7 +57,7 @@ class Compressor:
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.options.name})"  # DDP logs hook names
         self.session = Session(self.options, process_group, divisor)
         self.state = State(slots)
-        self.autopilot = Autopilot(self.options, self.state, self.session) if self.options.auto else None  # "auto": chooses plans
+        self.autopilot = Autopilot(self.options, self.state, self.session) if self.options.auto else None  # "auto"
         self.telemetry = Telemetry(self.options.error_feedback)
         #: per-key scratch buffers reused every step (the error-fed input), not part of the state
         self.workspace: dict = {}
@@ -108,11 +108,11 @@ class Compressor:
 
     def begin_step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
                    should_commit: Callable[[], bool] | None = None, deferred: bool = False, silent: bool = False):
-        """Open a step on the process group (or on ``collectives``, e.g. ``LocalCollectives(1)`` for a single
-        process without ``torch.distributed``). ``plan``: the step's key -> codec (default: the codec, warm-up and
-        schedule at this position); ``should_commit``: an outside decision asked at the step's end on every rank:
-        the new state commits only if it agrees and every rank was finite; ``deferred``: that decision comes later,
-        through ``Step.decide``; ``silent``: this rank sends zeros (:class:`~gradcompress.step.Step`)."""
+        """Open a step on the process group (or ``collectives``, e.g. ``LocalCollectives(1)`` without
+        ``torch.distributed``). ``plan``: the step's key -> codec (default: the codec, warm-up and schedule at this
+        position); ``should_commit``: an outside decision asked at the step's end on every rank: the new state
+        commits only if it agrees and every rank was finite; ``deferred``: that decision comes later, through
+        ``Step.decide``; ``silent``: this rank sends zeros (:class:`~gradcompress.step.Step`)."""
         if self.current_step is not None:
             raise RuntimeError("gradcompress: a step of this compressor is still open; end() or abort() it first")
         session = self.session
@@ -125,7 +125,8 @@ class Compressor:
             plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
         step = self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan,
                                  should_commit, deferred=deferred, silent=silent)
-        step.sample = {} if auto is not None and auto.wants_sample(i) else None  # the autopilot's error measurement
+        if auto is not None:
+            auto.opened(step)  # what the autopilot measures inside the step
         return step
 
     def bind(self, group) -> "Compressor":
@@ -204,8 +205,7 @@ class Compressor:
 
         ``world``: the size of the group the state was made in; :meth:`load_state_dict` compares it with the group
         it resumes in. ``topology`` (only when the exchange is hierarchical, ``"NxG intra_node=..."``): loading it
-        under another topology is an error. Reads nothing from the group (safe from any thread).
-        """
+        under another topology is an error. Reads nothing from the group (safe from any thread)."""
         session, auto = self.session, self.autopilot
         extra = {"topology": session.topology_text()} if session.hierarchy is not None else {}
         extra.update({"auto": auto.state_dict()} if auto else {})
@@ -214,9 +214,9 @@ class Compressor:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`. Saved with another world size, what stays valid is kept (PowerSGD's
-        ``q``/``p``, ``momentum``, the step count) and the per-rank residuals restart at zero, with a
-        ``UserWarning``; decided when the group is known (now if this compressor has stepped, else at its first
-        step). A state without ``world`` (older checkpoints) is loaded as it is."""
+        ``q``/``p``, ``momentum``, the step count), the per-rank residuals restart at zero with a ``UserWarning``;
+        decided when the group is known (now if this compressor has stepped, else at its first step). A state
+        without ``world`` (older checkpoints) is loaded as it is."""
         saved = str(state.get("config")).replace(_OLD_COLLECTIVE, "")
         if saved != self.config():
             raise ValueError(f"Compressor.load_state_dict: the checkpoint was made with {state.get('config')!r}, "

@@ -96,6 +96,9 @@ class Step:
         #: a dict: this step keeps a copy of each exchanged tensor as given (key -> tensor; the autopilot's error
         #: measurement), None: it does not
         self.sample: dict | None = None
+        #: a tensor: this step adds the squared norm of each exchanged tensor as given (the autopilot's regime
+        #: detector), None: it does not
+        self.norm_sq: torch.Tensor | None = None
         self.raw_bytes = 0
         self.codec_seconds = 0.0
         self.open = True
@@ -119,6 +122,9 @@ class Step:
         self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
         if self.sample is not None:
             self.sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
+        if self.norm_sq is not None:
+            for t in tensors:
+                self.norm_sq += t.detach().double().pow(2).sum().cpu()
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:

@@ -40,6 +40,7 @@ import logging
 import torch
 
 from ..schedule import Plan
+from ..autospec import CRITICAL_DROPS
 from ..spec import make
 from ..collectives import LocalCollectives
 from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
@@ -100,6 +101,10 @@ class Autopilot:
         self.trial: Trial | None = None  # the last switch's, until judged
         self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until the measurements move
         self.sample: dict | None = None  # the previous step's inputs, where it kept them (``allocate``)
+        self.norm_sq: float | None = None  # the previous step's squared gradient norm, where it measured it
+        self.norms: list[float] = []  # the gradient norm at the last two checks (every rank's, combined)
+        self.critical = False  # in a critical regime (``critical=``): the budget's riskiest codecs left out
+        self.regimes = 0  # changes of regime
         self.allocation: dict = {}  # the last per-tensor allocation's summary (explain, stats)
 
     @property
@@ -111,6 +116,7 @@ class Autopilot:
         measures and decides together (collectives on ``comm``)."""
         self.meter.step_started(comm, prev)
         self.sample = prev.sample if prev is not None else None
+        self.norm_sq = float(prev.norm_sq) if prev is not None and prev.norm_sq is not None else None
         if prev is not None and prev.seen:
             self.buckets, self.hooked = prev.seen, prev.overlapped
         due = index >= self.first and (index - self.first) % self.options.every == 0
@@ -124,10 +130,13 @@ class Autopilot:
             self.meter.excluded += self.meter.clock() - start
         return self.plan
 
-    def wants_sample(self, index: int) -> bool:
-        """Whether step ``index`` keeps its inputs: with ``allocate``, the step before each check."""
-        after = index + 1 - self.first
-        return self.options.allocate and after >= 0 and after % self.options.every == 0
+    def opened(self, step) -> None:
+        """A step opened: the step before each check measures its gradients' norm (``critical``) and keeps them
+        (``allocate``)."""
+        after = step.index + 1 - self.first
+        if after >= 0 and after % self.options.every == 0:
+            step.sample = {} if self.options.allocate else None
+            step.norm_sq = torch.zeros((), dtype=torch.float64) if self.options.critical > 0 else None
 
     # ---------------------------------------------------------------- one check
     def _check(self, comm, index: int) -> None:
@@ -144,8 +153,11 @@ class Autopilot:
         local = [self.meter.compute_s(), bandwidth, alpha, self.meter.step_s()]
         costs = [o.codec_s for row in self.costs for o in row]
         keys = self._allocatable() if self.sample is not None else []
-        table = self._gather(comm, local + costs + errors(self.sample, keys), device)
-        err = table[:, 4 + len(costs):].sum(0).view(len(keys), len(LEVELS)) if keys else None
+        norm = [self.norm_sq] if self.norm_sq is not None else []
+        table = self._gather(comm, local + costs + norm + errors(self.sample, keys), device)
+        at = 4 + len(costs) + len(norm)
+        err = table[:, at:].sum(0).view(len(keys), len(LEVELS)) if keys else None
+        regime = self._regime(table[:, at - 1].sum().item() ** 0.5) if norm else False
         compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
         alpha, step_s = table[:, 2].max().item(), table[:, 3].max().item()
         dense_step = step_s if self.plan.dense and self.plan.flat else 0.0
@@ -156,11 +168,11 @@ class Autopilot:
                                       1.0 if self.hooked else 0.0, codec, dense_step)
         self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
         measured = self.basis is None or self._moved(compute, bandwidth)
-        if measured or (self._refitted((overlap, share)) and not self.rejected):
+        if measured or regime or (self._refitted((overlap, share)) and not self.rejected):
             if measured:  # the link or the compute changed: a plan the trial sent back may be right now
                 self.rejected, self.layout_open = [], True
             self.fitted = (overlap, share)
-            self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s, (keys, err))
+            self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s, (keys, err), tried=not regime)
         if self.trial is None:
             self._try_layout(index, step_s)
 
@@ -202,6 +214,20 @@ class Autopilot:
         self._apply(self.chosen, other)
         log.info("gradcompress auto: step %d: trying the %s exchange (%s; %s took %.4g s/step)", index, other,
                  self._summary(), LAYOUTS[1 - LAYOUTS.index(other)], step_s)
+
+    def _regime(self, norm: float) -> bool:
+        """Record the gradient norm of this check; True if the regime changed (critical: the norm moved by more than
+        ``critical`` relative to the last check's; Accordion's detector)."""
+        self.norms = (self.norms + [norm])[-2:]
+        if len(self.norms) < 2:
+            return False
+        critical = abs(norm - self.norms[0]) > self.options.critical * max(self.norms[0], 1e-30)
+        if critical == self.critical:
+            return False
+        self.critical, self.regimes = critical, self.regimes + 1
+        log.info("gradcompress auto: %s a critical regime (gradient norm %.4g, %.4g at the last check)",
+                 "entering" if critical else "leaving", norm, self.norms[0])
+        return True
 
     def _gather(self, comm, local: list, device) -> torch.Tensor:
         """Every rank's ``local`` numbers, rank by rank: the same table on every rank, bit for bit (an all-reduce
@@ -252,12 +278,14 @@ class Autopilot:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
     def _decide(self, index: int, compute: float, link: Link, codec: list, step_s: float,
-                measured_errors: tuple = ((), None)) -> None:
+                measured_errors: tuple = ((), None), tried: bool = True) -> None:
         """Choose for ``link`` (the bandwidth the step gets) and ``compute``; switch if the choice changed (unless
         the trial rejected that plan since the measurements last moved); ``step_s``: the current plan's measured
         step, what a switch is judged against :data:`TRIAL_STEPS` steps later."""
         sizes = self._sizes()
-        choice, predicted, dense = choose(self.costs, sizes, link, compute, self._overlap(), codec)
+        names = self.options.critical_candidates if self.critical else self.options.candidates
+        allowed = [i for i, spec in enumerate(self.options.candidates) if spec in names]
+        choice, predicted, dense = choose(self.costs, sizes, link, compute, self._overlap(), codec, allowed)
         self.basis = (compute, link.bandwidth, link.alpha)
         self.decision = dict(self.last, predicted_s=predicted, dense_s=dense, choice=choice, sizes=sizes)
         chosen = {k: self.options.candidates[c] for b, c in zip(self.buckets, choice) for k in b.keys if c}
@@ -270,7 +298,7 @@ class Autopilot:
             # measured, not told: the switch is tried against the old plan; told: its step time is measured for
             # the layouts' comparison (where there are nodes)
             if self.options.bandwidth is None or self._layouts():
-                kind = "codec" if self.options.bandwidth is None else "settle"
+                kind = "codec" if self.options.bandwidth is None and tried else "settle"
                 self.trial = Trial(index + TRIAL_STEPS, (dict(self.chosen), self.layout), step_s, kind)
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
@@ -340,7 +368,8 @@ class Autopilot:
         the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last switch's
         trial: the old and the new plan's measured step time, or None), ``layout`` (``"flat"`` or
         ``"hierarchical"``), ``layout_step_s`` (layout -> measured step time, from the last comparison of the two;
-        empty without nodes), ``allocation`` (``allocate=true``: tensors per level, payload bytes and squared error
+        empty without nodes), ``critical`` (in a critical regime: the budget's riskiest codecs left out), ``regimes``
+        (changes of regime), ``grad_norm`` (the gradient norm at the last check), ``allocation`` (``allocate=true``: tensors per level, payload bytes and squared error
         against the reference's; empty otherwise) and ``probe_bytes`` (the measuring's own traffic)."""
         counts: dict = {}
         for spec in self.chosen.values():
@@ -355,6 +384,7 @@ class Autopilot:
                 "predicted_step_s": decision.get("predicted_s"),
                 "dense_step_s": decision.get("dense_s"), "trial": decision.get("trial"), "layout": self.layout,
                 "layout_step_s": dict(self.layout_times), "allocation": dict(self.allocation),
+                "critical": self.critical, "regimes": self.regimes, "grad_norm": self.norms[-1] if self.norms else None,
                 "probe_bytes": self.meter.probe_bytes}
 
     def explain(self) -> str:
@@ -376,6 +406,12 @@ class Autopilot:
                  f"(in the step: x{self.share:.3g}; overlap with the backward pass {self._overlap():.2f}), "
                  f"latency {1e3 * last['alpha']:.3g} ms; predicted {last['predicted_s']:.4g} s/step "
                  f"(all dense: {last['dense_s']:.4g} s); {self.decisions} decisions, {self.switches} switches{tried}"]
+        if self.norms and self.options.critical > 0:
+            state = "critical: " + ", ".join(CRITICAL_DROPS[self.options.budget]) + " left out" if self.critical else \
+                "not critical"
+            lines.append(f"  regime: {state} (gradient norm {self.norms[-1]:.4g}"
+                         + (f", {self.norms[0]:.4g} at the check before" if len(self.norms) > 1 else "")
+                         + f"; critical above a change of {self.options.critical:g})")
         if self.layout_times:
             times = ", ".join(f"{k} {v:.4g} s/step" for k, v in self.layout_times.items())
             lines.append(f"  layout: {self.layout} (measured: {times})")
@@ -400,6 +436,7 @@ class Autopilot:
     def state_dict(self) -> dict:
         """The decision (``plan``: key -> spec), what it was based on, and the counters (plain values)."""
         return {"plan": dict(self.chosen), "layout": self.layout, "basis": list(self.basis or ()),
+                "critical": self.critical, "norms": list(self.norms), "regimes": self.regimes,
                 "fitted": list(self.fitted),
                 "decisions": self.decisions,
                 "switches": self.switches, "decided_at": -1 if self.decided_at is None else self.decided_at}
@@ -415,6 +452,8 @@ class Autopilot:
         fitted = state.get("fitted") or (1.0, 1.0)
         self.fitted = (float(fitted[0]), float(fitted[1]))
         self.decisions, self.switches = int(state.get("decisions", 0)), int(state.get("switches", 0))
+        self.critical, self.regimes = bool(state.get("critical", False)), int(state.get("regimes", 0))
+        self.norms = [float(n) for n in state.get("norms", [])]
         decided = int(state.get("decided_at", -1))
         self.decided_at = None if decided < 0 else decided
 

@@ -173,9 +173,12 @@ def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs
     return 0.0, _solve(lambda f: time_at(0.0, f), 1e-3, 1.0, dense_step_s, log=True)
 
 
-def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=None) -> tuple[list[int], float, float]:
-    """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense."""
+def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=None,
+           allowed=None) -> tuple[list[int], float, float]:
+    """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense; ``allowed``:
+    the candidate indices it may choose (default all)."""
     n = len(options)
+    allowed = set(range(len(options[0])) if options else ()) if allowed is None else set(allowed) | {0}
 
     def time_of(choice):
         return predict(choice, options, sizes, link, compute_s, overlap, costs)
@@ -186,7 +189,7 @@ def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=N
         move = None
         for b in range(n):
             for c in range(len(options[b])):
-                if c != choice[b]:
+                if c != choice[b] and c in allowed:
                     t = time_of(choice[:b] + [c] + choice[b + 1:])
                     if t < best * (1 - 1e-3):
                         best, move = t, (b, c)
