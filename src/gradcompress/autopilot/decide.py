@@ -20,7 +20,7 @@ as what makes the predicted dense step take that long.
 
 **The choice** (:func:`choose`): from all-dense, greedily, the single change of one bucket's codec that shortens
 the predicted step most, until none does; compression is kept only if it beats the all-dense step by 2 % (else
-dense: DDP's own all-reduce, nothing but the measuring added).
+dense: an all-reduce like DDP's own, bit for bit its result, nothing but the measuring added).
 """
 
 from __future__ import annotations
