@@ -36,7 +36,9 @@ def hsdp_model(scheme: str | None, seed: int = 0, native: bool = False, params=N
     fully_shard(model, mesh=shard_over, **kw)
     comp = None
     if scheme is not None:
-        codec, options = split_scheme(scheme)
+        # specs the CLI's scheme grammar does not take ("auto", "warmup_steps=") go to register_fsdp as they are
+        direct = scheme.startswith("auto") or "warmup_steps=" in scheme
+        codec, options = (scheme, {}) if direct else split_scheme(scheme)
         comp = gradcompress.register_fsdp(model, codec, mesh=mesh, params=params, **{**options, **extra})
     return model, comp, mesh
 

@@ -40,15 +40,6 @@ def test_bad_options_are_one_clear_error(spec, message):
     assert message in str(err.value)
 
 
-def test_auto_refuses_hsdp_with_the_reason():
-    """HSDP's replica all-reduce (a topology of two process groups) is not decided by auto: one clear error."""
-    from gradcompress.topology import Topology
-
-    with pytest.raises(ValueError, match="'auto' does not choose for HSDP's replica all-reduce"):
-        Config.parse("auto", {"topology": Topology(2, 2, 0, 0, None, None)})
-    assert Config.parse("auto", {"topology": 2}).topology == 2  # nodes by count: measured flat against hierarchical
-
-
 def test_auto_options_in_the_config_text_and_keywords_merge():
     comp = gradcompress.Compressor("auto:bandwidth=100mbit,budget=any", warmup_steps=5)
     assert comp.config().startswith("auto:bandwidth=100Mbit/s,budget=any,every=20 error_feedback=True")

@@ -51,9 +51,6 @@ def _auto_options(spec, given: dict) -> tuple[autospec.Auto, dict]:
         raise ValueError(unknown_option_message("auto", unknown[0], list(autospec.OPTIONS), COMPRESSOR_OPTIONS))
     from_spec = {k: compressor_value(k, v) for k, v in opts.items()}
     o = {**DEFAULTS, **merge_compressor_options(from_spec, given, spec=spec)}
-    if isinstance(o["topology"], topology_mod.Topology):
-        raise ValueError("Compressor: 'auto' does not choose for HSDP's replica all-reduce (a topology of two "
-                         "process groups) yet; name a codec there (register_fsdp(model, 'int8', mesh=...))")
     if o["error_feedback"] == "auto":  # every lossy candidate is biased; the 16-bit cast's residual is harmless
         o["error_feedback"] = True
     return autospec.parse(own), o

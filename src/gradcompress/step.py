@@ -51,7 +51,7 @@ SHARED_SLOTS = ("q", "p")
 
 class Seen(NamedTuple):
     """A group of tensors a step averaged (what the autopilot decides for): ``kind`` ``"exchange"`` (``keys``, the
-    tensors' ``shapes``) or ``"reduce_scatter"`` (one key; ``shapes``: the input's, ``out``: the output's shape;
+    tensors' ``shapes``), ``"replicas"`` (HSDP's replica all-reduce of one shard) or ``"reduce_scatter"`` (one key; ``shapes``: the input's, ``out``: the output's shape;
     ``scale``)."""
 
     keys: tuple
@@ -122,9 +122,7 @@ class Step:
         self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
         if self.sample is not None:
             self.sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
-        if self.norm_sq is not None:
-            for t in tensors:
-                self.norm_sq += t.detach().double().pow(2).sum().cpu()
+        self._add_norm(tensors)
         self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:
@@ -142,6 +140,7 @@ class Step:
         one chunk per rank; ``output`` receives this rank's chunk of the sum over ranks, times ``scale``."""
         self._require_open()
         self.seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
+        self._add_norm([input])
         self.raw_bytes += input.numel() * input.element_size()
         return self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat).job(self.ctx, [key], [input], [output])
 
@@ -154,8 +153,16 @@ class Step:
         exchange = self.session.replicas(self.plan.codec(key))
         if exchange is None:
             return self.exchange([key], [shard.view(-1)])
+        self.seen.append(Seen((key,), (tuple(shard.shape),), shard.device, "replicas"))
+        self._add_norm([shard])
         self.raw_bytes += shard.numel() * shard.element_size()
         return exchange.job(self.ctx, [key], [shard], [shard])
+
+    def _add_norm(self, tensors) -> None:
+        """Add the tensors' squared norm to :attr:`norm_sq` where the step measures it."""
+        if self.norm_sq is not None:
+            for t in tensors:
+                self.norm_sq += t.detach().double().pow(2).sum().cpu()
 
     def _require_open(self) -> None:
         if not self.open:

@@ -91,8 +91,9 @@ def record(config, world: int, buckets, candidates, cache: Cache | None = None) 
 
 
 def allowed(spec: str, seen) -> bool:
-    """Whether candidate ``spec`` can carry the group ``seen`` (FSDP's flat reduce-scatter buffers: no PowerSGD)."""
-    return seen.kind != "reduce_scatter" or make(spec).aggregation is not Aggregation.LOWRANK
+    """Whether candidate ``spec`` can carry the group ``seen`` (FSDP's flat buffers, reduce-scatter or HSDP's
+    shards: no PowerSGD)."""
+    return seen.kind == "exchange" or make(spec).aggregation is not Aggregation.LOWRANK
 
 
 def _record_one(config, world: int, seen, flat: torch.Tensor, spec: str) -> Option:
@@ -104,6 +105,8 @@ def _record_one(config, world: int, seen, flat: torch.Tensor, spec: str) -> Opti
 
 
 def _run_once(config, world: int, seen, flat: torch.Tensor, codec) -> tuple[tuple, float]:
+    if seen.kind == "replicas":  # HSDP's replica exchange compresses every shard, whatever its size
+        config = dataclasses.replace(config, min_numel=0)
     comm = RecordingCollectives(world)
     session = Session(config)
     session.open(comm)
