@@ -223,6 +223,21 @@ def test_a_critical_regime_compresses_less_and_replicas_stay_equal():
     assert results[0]["plans"] == results[1]["plans"]
 
 
+def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
+    """After a trial sent a plan back, a moved measurement clears that memory only if the link got slower or the
+    compute faster by more than MOVED (25 %): a fast link's probe reading faster must not bring the plan back."""
+    from gradcompress.autopilot import Autopilot
+    from gradcompress.session import Session
+    from gradcompress.state import State
+
+    config = Config.parse("auto", {})
+    pilot = Autopilot(config, State(), Session(config))
+    pilot.basis, pilot.fitted = (0.1, 1e8, 1e-4), (1.0, 1.0)
+    assert pilot._favours_compression(0.1, 0.7e8) and pilot._favours_compression(0.07, 1e8)
+    assert not pilot._favours_compression(0.1, 1.5e8) and not pilot._favours_compression(0.14, 1e8)
+    assert not pilot._favours_compression(0.1, 0.8e8)  # within 25 %
+
+
 def test_choose_keeps_within_the_budget():
     config = Config.parse("auto", {})
     options = record(config, 4, _buckets(), config.auto.candidates)

@@ -14,9 +14,8 @@ every rank at the same step (the committed step count, equal everywhere):
    step. A switch is logged (INFO) and counted.
 4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
    step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's last 5 steps; if
-   it is more than
-   :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one is not chosen again until the
-   measurements move. The model proposes, the step decides.
+   it is more than :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one
+   is not chosen again until the link gets slower or the compute faster by more than :data:`MOVED`. The model proposes, the step decides.
 5. **Flat or hierarchical** (where the session found 2 or more nodes of 2 or more workers: ``topology=``, torchrun's
    environment): measured, never assumed. The measuring steps and the first plan run flat; once the plan's step
    time is measured (after its trial, or :data:`TRIAL_STEPS` steps after a decision told by ``bandwidth=``), the
@@ -99,7 +98,7 @@ class Autopilot:
         self.decisions, self.switches, self.decided_at = 0, 0, None
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
         self.trial: Trial | None = None  # the last switch's, until judged
-        self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until the measurements move
+        self.rejected: list[dict] = []  # plans the trial sent back, not chosen again until compressing pays more
         self.sample: dict | None = None  # the previous step's inputs, where it kept them (``allocate``)
         self.norm_sq: float | None = None  # the previous step's squared gradient norm, where it measured it
         self.norms: list[float] = []  # the gradient norm at the last two checks (every rank's, combined)
@@ -169,8 +168,10 @@ class Autopilot:
         self.last = dict(step=index, compute_s=compute, bandwidth=bandwidth, alpha=alpha, codec=codec)
         measured = self.basis is None or self._moved(compute, bandwidth)
         if measured or regime or (self._refitted((overlap, share)) and not self.rejected):
-            if measured:  # the link or the compute changed: a plan the trial sent back may be right now
-                self.rejected, self.layout_open = [], True
+            if measured:  # the link or the compute changed: the layouts are compared again, and a plan the trial
+                self.layout_open = True  # sent back may be right now if compressing pays more than it did
+                if self.basis is None or self._favours_compression(compute, bandwidth):
+                    self.rejected = []
             self.fitted = (overlap, share)
             self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s, (keys, err), tried=not regime)
         if self.trial is None:
@@ -252,6 +253,13 @@ class Autopilot:
         """Whether the compute time or the probed link moved by more than :data:`MOVED` since the last decision."""
         c0, b0 = self.basis[0], self.basis[1] / self.share
         return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0)))
+
+    def _favours_compression(self, compute: float, bandwidth: float) -> bool:
+        """Whether the link got slower or the compute faster by more than :data:`MOVED` since the last decision:
+        only then is a plan the trial sent back proposed again (a noisy probe of a fast link that reads faster or
+        slower by turns would otherwise make the autopilot try the same slower plan at every check)."""
+        c0, b0 = self.basis[0], self.basis[1] / self.share
+        return bandwidth < (1 - MOVED) * b0 or compute < (1 - MOVED) * c0
 
     def _refitted(self, fitted: tuple) -> bool:
         """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
