@@ -14,8 +14,9 @@ every rank at the same step (the committed step count, equal everywhere):
    step. A switch is logged (INFO) and counted.
 4. **The trial** (without a ``bandwidth=`` hint): :data:`TRIAL_STEPS` steps after a switch, the new plan's measured
    step time (the median of its last 5 steps, the slowest rank's) is compared with the old plan's last 5 steps; if
-   it is more than :data:`TRIAL_MARGIN` slower, every rank goes back to the old plan at that step, and the new one
-   is not chosen again until the link gets slower or the compute faster by more than :data:`MOVED`. The model proposes, the step decides.
+   it is not faster (a plan that sends fewer bytes than the old one: compression must pay as measured) or more
+   than :data:`TRIAL_MARGIN` slower (a plan that sends more), every rank goes back to the old plan at that step, and
+   the new one is not chosen again until the link gets slower or the compute faster by more than :data:`MOVED`. The model proposes, the step decides.
 5. **Flat or hierarchical** (where the session found 2 or more nodes of 2 or more workers: ``topology=``, torchrun's
    environment): measured, never assumed. The measuring steps and the first plan run flat; once the plan's step
    time is measured (after its trial, or :data:`TRIAL_STEPS` steps after a decision told by ``bandwidth=``), the
@@ -66,8 +67,8 @@ LAYOUTS = ("flat", "hierarchical")
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """A switch on probation: judged at step ``at`` against ``old`` ((chosen, layout) to go back to) and its measured
-    step time ``old_step``. ``kind``: ``"codec"`` (the model's proposal: back if more than :data:`TRIAL_MARGIN`
-    slower), ``"layout"`` (flat against hierarchical: the faster stays), ``"settle"`` (a decision told by
+    step time ``old_step``. ``kind``: ``"codec"`` (the model's proposal: back if not faster when it sends fewer bytes,
+    if more than :data:`TRIAL_MARGIN` slower when it sends more), ``"layout"`` (flat against hierarchical: the faster stays), ``"settle"`` (a decision told by
     ``bandwidth=``: nothing judged, the new plan's step time measured for the layout's trial)."""
 
     at: int
@@ -184,10 +185,14 @@ class Autopilot:
         new_step = self._gather(comm, [self.meter.step_s()], self.buckets[0].device)[:, 0].max().item()
         kept = new_step
         if trial.kind != "settle":
-            margin = TRIAL_MARGIN if trial.kind == "codec" else 0.0
-            back = new_step > 0 and trial.old_step > 0 and new_step > trial.old_step * (1 + margin)
+            # a plan that sends fewer bytes stays only if measured faster; one that sends more (less compression),
+            # unless measured clearly slower: a tie goes to the plan that compresses less
+            fewer = trial.kind == "codec" and self._traffic() < self._traffic(trial.old[0])
+            margin = TRIAL_MARGIN if trial.kind == "codec" and not fewer else 0.0
+            slower = new_step >= trial.old_step if fewer else new_step > trial.old_step * (1 + margin)
+            back = new_step > 0 and trial.old_step > 0 and slower
             if trial.kind == "codec":
-                self.decision.update(trial=(trial.old_step, new_step))
+                self.decision.update(trial=(trial.old_step, new_step), trial_back=back)
                 if back:
                     self.rejected.append(dict(self.chosen))
             else:
@@ -265,18 +270,20 @@ class Autopilot:
         """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
         return abs(fitted[0] - self.fitted[0]) > MOVED or abs(fitted[1] - self.share) > MOVED * self.share
 
-    def _current(self) -> list[int]:
-        """The current plan as a candidate index per bucket (0: dense; a bucket of allocated levels: the reference)."""
+    def _current(self, chosen: dict | None = None) -> list[int]:
+        """The current plan (or ``chosen``) as a candidate index per bucket (0: dense; a bucket of allocated levels:
+        the reference)."""
+        chosen = self.chosen if chosen is None else chosen
         index = {spec: i for i, spec in enumerate(self.options.candidates)}
         out = []
         for b in self.buckets:
-            specs = {self.chosen.get(k, "none") for k in b.keys} or {"none"}
+            specs = {chosen.get(k, "none") for k in b.keys} or {"none"}
             out.append(index[specs.pop()] if len(specs) == 1 and specs <= set(index) else index.get(REFERENCE, 0))
         return out
 
-    def _traffic(self) -> int:
-        """Bytes one step of the current plan sends (from the recording: the same number on every rank)."""
-        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(self._current(), self.costs))
+    def _traffic(self, chosen: dict | None = None) -> int:
+        """Bytes one step of the current plan (or ``chosen``) sends (from the recording: the same on every rank)."""
+        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(self._current(chosen), self.costs))
 
     def _overlap(self) -> float:
         """How much of the backward pass the exchange hides behind: none without the DDP hook, else as fitted."""
@@ -406,7 +413,7 @@ class Autopilot:
             return (f"{self.options.text()}: no decision yet (dense; the first comes at step {self.first}, "
                     "after measuring)")
         trial = last.get("trial")
-        back = trial is not None and trial[1] > trial[0] * (1 + TRIAL_MARGIN)
+        back = bool(last.get("trial_back"))
         tried = "" if trial is None else (f"; trial of the switch: {trial[1]:.4g} s/step against the old plan's "
                                           f"{trial[0]:.4g} s ({'went back' if back else 'kept'})")
         lines = [f"{self.options.text()}: decided at step {self.decided_at} from the check at step {last['step']}: "
