@@ -260,6 +260,38 @@ def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
     assert not pilot._favours_compression(0.1, 0.8e8)  # within 25 %
 
 
+def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():
+    """Without a hint the link is probed at the first check, then only when the current plan's step time moved by
+    more than MOVED since the last probe, or after PROBE_EVERY checks; in between the last probe's numbers stand and
+    nothing is sent."""
+    from gradcompress.autopilot import PROBE_EVERY, Autopilot
+    from gradcompress.collectives import LocalCollectives
+    from gradcompress.session import Session
+    from gradcompress.state import State
+
+    config = Config.parse("auto", {})
+    pilot = Autopilot(config, State(), Session(config))
+    pilot.buckets = _buckets()
+    pilot.costs = record(config, 4, pilot.buckets, config.auto.candidates)
+    probes = []
+    pilot.meter.link = lambda comm, traffic, device: probes.append(traffic) or (1e8 + len(probes), 1e-4)
+    comm, cpu = LocalCollectives(1), torch.device("cpu")
+
+    def check(step_s):
+        link = pilot._link(comm, cpu, step_s)
+        pilot.last = {"bandwidth": link[0], "alpha": link[1]}
+        return link
+
+    assert check(0.1) == (1e8 + 1, 1e-4) and len(probes) == 1
+    assert [check(s) for s in (0.11, 0.09, 0.12)] == [(1e8 + 1, 1e-4)] * 3 and len(probes) == 1
+    assert check(0.2)[0] == 1e8 + 2 and len(probes) == 2  # the step moved by more than 25 %: probed
+    for _ in range(PROBE_EVERY - 1):
+        check(0.2)
+    assert len(probes) == 2
+    check(0.2)
+    assert len(probes) == 3  # every PROBE_EVERY checks anyway
+
+
 def test_choose_keeps_within_the_budget():
     config = Config.parse("auto", {})
     options = record(config, 4, _buckets(), config.auto.candidates)

@@ -4,7 +4,9 @@ Each step's plan (key -> codec) is the autopilot's. The first ``max(warmup_steps
 measured (:mod:`.measure`: the compute time of each step); then, at that step and every ``every`` steps after, on
 every rank at the same step (the committed step count, equal everywhere):
 
-1. each rank measures (the link by probes unless ``bandwidth=`` is given; the compute time; at the first check the
+1. each rank measures (the compute time and the current plan's step time; the link by probes unless ``bandwidth=``
+   is given, at the first check and then only when the step time moved by more than :data:`MOVED` or every
+   :data:`PROBE_EVERY` checks; at the first check the
    codecs' cost on its buckets, :func:`.decide.record`, unless an earlier run on this machine and device left them
    in the calibration cache, :mod:`.calibration`);
 2. every rank's numbers are gathered (one small all-reduce: every rank gets the same table, bit for bit) and
@@ -59,6 +61,9 @@ TRIAL_STEPS = 6
 #: the trial goes back only when the new plan measured this much slower than the old (a step's time varies by more
 #: than the model's margin between close plans; a clearly slower plan is what the trial is for)
 TRIAL_MARGIN = 0.05
+#: without a ``bandwidth=`` hint the link is probed at most every this many checks while the current plan's measured
+#: step time stays within :data:`MOVED` of what it was (a probe of a slow link costs a small model's step 10 %)
+PROBE_EVERY = 5
 
 
 LAYOUTS = ("flat", "hierarchical")
@@ -95,6 +100,8 @@ class Autopilot:
         #: (overlap with the backward pass, share of the probed bandwidth) as the dense steps went (:func:`.decide.fit_link`)
         self.fitted = (1.0, 1.0)
         self.last: dict = {}  # the last check's combined numbers (stats)
+        self.reference_step = 0.0  # the current plan's measured step time when the link was last probed (or tried)
+        self.unprobed = 0  # checks since the last probe
         self.decision: dict = {}  # the last decision's numbers, prediction and choice (explain, stats)
         self.decisions, self.switches, self.decided_at = 0, 0, None
         self.hooked = False  # the steps launch buckets early (the DDP hook): the exchange can overlap the backward pass
@@ -140,28 +147,24 @@ class Autopilot:
 
     # ---------------------------------------------------------------- one check
     def _check(self, comm, index: int) -> None:
-        keys = [b.keys for b in self.buckets]
-        if self.costs is None or self._costs_for != keys:
+        bucket_keys = [b.keys for b in self.buckets]
+        if self.costs is None or self._costs_for != bucket_keys:
             cache = Cache()  # the calibration of an earlier run on this machine and device, where there is one
             self.costs = record(self.config, comm.world, self.buckets, self.options.candidates, cache)
-            self._costs_for = keys
+            self._costs_for = bucket_keys
         device = self.buckets[0].device
-        if self.options.bandwidth is None:
-            bandwidth, alpha = self.meter.link(comm, self._traffic() * self.options.every, device)
-        else:
-            bandwidth, alpha = payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
-        local = [self.meter.compute_s(), bandwidth, alpha, self.meter.step_s()]
+        local = [self.meter.compute_s(), self.meter.step_s()]
         costs = [o.codec_s for row in self.costs for o in row]
         keys = self._allocatable() if self.sample is not None else []
         norm = [self.norm_sq] if self.norm_sq is not None else []
         table = self._gather(comm, local + costs + norm + errors(self.sample, keys), device)
-        at = 4 + len(costs) + len(norm)
+        at = 2 + len(costs) + len(norm)
         err = table[:, at:].sum(0).view(len(keys), len(LEVELS)) if keys else None
         regime = self._regime(table[:, at - 1].sum().item() ** 0.5) if norm else False
-        compute, bandwidth = table[:, 0].max().item(), table[:, 1].min().item()
-        alpha, step_s = table[:, 2].max().item(), table[:, 3].max().item()
+        compute, step_s = table[:, 0].max().item(), table[:, 1].max().item()
+        bandwidth, alpha = self._link(comm, device, step_s)
         dense_step = step_s if self.plan.dense and self.plan.flat else 0.0
-        codec = table[:, 4:4 + len(costs)].max(0).values.view(-1, len(self.options.candidates)).tolist()
+        codec = table[:, 2:2 + len(costs)].max(0).values.view(-1, len(self.options.candidates)).tolist()
         overlap, share = self.fitted
         if self.options.bandwidth is None and dense_step > 0:  # fresh dense steps: the step as it went
             overlap, share = fit_link(self.costs, self._sizes(), Link(bandwidth, alpha), compute,
@@ -177,6 +180,21 @@ class Autopilot:
             self._decide(index, compute, Link(share * bandwidth, alpha), codec, step_s, (keys, err), tried=not regime)
         if self.trial is None:
             self._try_layout(index, step_s)
+
+    def _link(self, comm, device, step_s: float) -> tuple[float, float]:
+        """(payload bandwidth, alpha): the hint; or probed (every rank together, their numbers combined: the slowest
+        link, the largest latency) at the first check, every :data:`PROBE_EVERY` checks, and whenever the current
+        plan's step time (``step_s``, every rank's same) moved by more than :data:`MOVED` since the last probe; else
+        the last probe's, sending nothing (the step's own time is the passive probe)."""
+        if self.options.bandwidth is not None:
+            return payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
+        ref, self.unprobed = self.reference_step, self.unprobed + 1
+        steady = ref > 0 and step_s > 0 and abs(step_s - ref) <= MOVED * ref
+        if self.last and steady and self.unprobed < PROBE_EVERY:
+            return self.last["bandwidth"], self.last["alpha"]
+        probed = self._gather(comm, list(self.meter.link(comm, self._traffic() * self.options.every, device)), device)
+        self.reference_step, self.unprobed = step_s, 0
+        return probed[:, 0].min().item(), probed[:, 1].max().item()
 
     def _judge(self, comm, index: int) -> None:
         """The trial of the last switch (:class:`Trial`): the new plan's measured steps against the old plan's;
@@ -203,6 +221,7 @@ class Autopilot:
                 self._apply(*trial.old)
                 log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
                          index, self._summary(), new_step, trial.old_step)
+        self.reference_step = kept  # the plan kept, as measured: what the next checks' steps are compared with
         self._try_layout(index, kept)
 
     def _try_layout(self, index: int, step_s: float) -> None:
@@ -473,4 +492,4 @@ class Autopilot:
         self.decided_at = None if decided < 0 else decided
 
 
-__all__ = ["Autopilot", "LAYOUTS", "MEASURE_STEPS", "MOVED", "TRIAL_MARGIN", "TRIAL_STEPS", "Trial"]
+__all__ = ["Autopilot", "LAYOUTS", "MEASURE_STEPS", "MOVED", "PROBE_EVERY", "TRIAL_MARGIN", "TRIAL_STEPS", "Trial"]

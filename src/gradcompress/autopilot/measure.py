@@ -5,7 +5,8 @@
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
   The whole time of the last 5 steps of the current plan (its first step not counted) is kept too: on dense steps the
   in-step probe of the link (:func:`.decide.fit_link`); after a switch, what the new plan really costs (the trial).
-* **Link**: two probes on the step's own group, at each check: the all-reduce of 1 KB (three times, the fastest
+* **Link**: two probes on the step's own group, at the checks where the autopilot asks (the first, those where the
+  plan's step time moved, and every few: ``Autopilot._link``): the all-reduce of 1 KB (three times, the fastest
   kept) gives the per-message latency ``alpha`` = t / 2(W-1); the all-reduce of M bytes (M = 1/300 of what the current
   plan sends between two checks, between 1 MB and 4 MB: about 1 % more bytes for a large model, more for a small
   one, whose link cannot be measured with fewer; twice, the fastest kept) gives the
