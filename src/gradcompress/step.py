@@ -51,8 +51,8 @@ SHARED_SLOTS = ("q", "p")
 
 class Seen(NamedTuple):
     """A group of tensors a step averaged (what the autopilot decides for): ``kind`` ``"exchange"`` (``keys``, the
-    tensors' ``shapes``), ``"replicas"`` (HSDP's replica all-reduce of one shard) or ``"reduce_scatter"`` (one key; ``shapes``: the input's, ``out``: the output's shape;
-    ``scale``)."""
+    tensors' ``shapes``), ``"replicas"`` (HSDP's replica all-reduce of one shard) or ``"reduce_scatter"`` (one key;
+    ``shapes``: the input's, ``out``: the output's shape; ``scale``)."""
 
     keys: tuple
     shapes: tuple
@@ -142,7 +142,8 @@ class Step:
         self.seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
         self._add_norm([input])
         self.raw_bytes += input.numel() * input.element_size()
-        return self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat).job(self.ctx, [key], [input], [output])
+        exchange = self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat)
+        return exchange.job(self.ctx, [key], [input], [output])
 
     def all_reduce_shard(self, key: Hashable, shard: torch.Tensor) -> Job:
         """HSDP's replica all-reduce, compressed, as a job (:mod:`gradcompress.exchanges.replicas`): ``shard``, this

@@ -86,6 +86,18 @@ class Hierarchy:
         return GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, seed), 0, dense_keys)
 
 
+def fill_blocks(send: torch.Tensor, tensors, per, offsets) -> torch.Tensor:
+    """Write piece j (``per[i]`` elements from ``j * per[i]``) of each tensor i into row j of ``send`` at column
+    ``offsets[i]`` (the reduce-scatter's G blocks; what is not written stays as it was: zero padding)."""
+    for g, o, p in zip(tensors, offsets, per):
+        flat = g.detach().reshape(-1)
+        rows, rest = divmod(flat.numel(), p) if p else (0, 0)
+        send[:rows, o : o + p] = flat[: rows * p].view(rows, p)
+        if rest:
+            send[rows, o : o + rest] = flat[rows * p :]
+    return send
+
+
 class HierarchicalExchange:
     """Reduce-scatter inside the node, the exchange between nodes on the pieces, all-gather inside (module doc); in
     place. ``between(dense_keys)``: the exchange between nodes, with the piece keys it must send dense."""
@@ -100,13 +112,7 @@ class HierarchicalExchange:
         """The reduce-scatter's input: G blocks, block j = piece j of every tensor (padding stays zero)."""
         parts = self.intra.world
         send = ctx.zeroed("intra send", tuple(keys), parts * offsets[-1], dtype, grads[0].device).view(parts, -1)
-        for g, o, p in zip(grads, offsets, per):
-            flat = g.detach().reshape(-1)
-            rows, rest = divmod(flat.numel(), p) if p else (0, 0)
-            send[:rows, o : o + p] = flat[: rows * p].view(rows, p)
-            if rest:
-                send[rows, o : o + rest] = flat[rows * p :]
-        return send
+        return fill_blocks(send, grads, per, offsets)
 
     def job(self, ctx, keys, grads, outs) -> Job:
         if not grads:
@@ -150,12 +156,7 @@ def to_pieces(intra: Collectives, whole: dict, shapes: dict) -> dict:
     per = [piece_numel(torch.Size(shapes[k]).numel(), parts) for k in keys]
     offsets = [0, *itertools.accumulate(per)]
     send = torch.zeros(parts, offsets[-1], dtype=torch.float32, device=whole[keys[0]].device)
-    for k, o, p in zip(keys, offsets, per):
-        flat = whole[k].reshape(-1).float()
-        for j in range(parts):
-            piece = flat[j * p : (j + 1) * p]
-            send[j, o : o + piece.numel()] = piece
-    shard, work = intra.reduce_scatter(send)
+    shard, work = intra.reduce_scatter(fill_blocks(send, [whole[k].float() for k in keys], per, offsets))
     intra.wait([work])
     shard.div_(parts)
     return {piece_key(k, me, parts): shard[o : o + p].to(whole[k].dtype).clone()
