@@ -161,9 +161,9 @@ class Step:
 
     def _add_norm(self, tensors) -> None:
         """Add the tensors' squared norm to :attr:`norm_sq` where the step measures it."""
-        if self.norm_sq is not None:
+        if self.norm_sq is not None:  # on the tensors' device: one host sync when the autopilot reads it
             for t in tensors:
-                self.norm_sq += t.detach().double().pow(2).sum().cpu()
+                self.norm_sq = self.norm_sq + torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
 
     def _require_open(self) -> None:
         if not self.open:

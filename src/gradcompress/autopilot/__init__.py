@@ -273,16 +273,20 @@ class Autopilot:
     def share(self) -> float:
         return self.fitted[1]
 
+    def _decided_on(self) -> tuple[float, float]:
+        """(compute time, probed bandwidth) the last decision was made on."""
+        return self.basis[0], self.basis[1] / self.share
+
     def _moved(self, compute: float, bandwidth: float) -> bool:
         """Whether the compute time or the probed link moved by more than :data:`MOVED` since the last decision."""
-        c0, b0 = self.basis[0], self.basis[1] / self.share
+        c0, b0 = self._decided_on()
         return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0)))
 
     def _favours_compression(self, compute: float, bandwidth: float) -> bool:
         """Whether the link got slower or the compute faster by more than :data:`MOVED` since the last decision:
         only then is a plan the trial sent back proposed again (a noisy probe of a fast link that reads faster or
         slower by turns would otherwise make the autopilot try the same slower plan at every check)."""
-        c0, b0 = self.basis[0], self.basis[1] / self.share
+        c0, b0 = self._decided_on()
         return bandwidth < (1 - MOVED) * b0 or compute < (1 - MOVED) * c0
 
     def _refitted(self, fitted: tuple) -> bool:

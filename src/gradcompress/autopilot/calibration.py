@@ -86,9 +86,10 @@ class Cache:
 
     def __init__(self, file: str | None = None):
         self.file = path() if file is None else file
-        self.entries: dict = self._read()
+        self.entries: dict = self._read(quiet=False)
 
-    def _read(self) -> dict:
+    def _read(self, quiet: bool) -> dict:
+        """The file's entries ({} when there is none or it is unreadable: a warning unless ``quiet``)."""
         if self.file is None or not os.path.exists(self.file):
             return {}
         try:
@@ -98,8 +99,9 @@ class Cache:
                 raise ValueError("not a JSON object")
             return data
         except (OSError, ValueError) as err:
-            warnings.warn(f"gradcompress auto: the calibration cache {self.file} is unreadable ({err}); measuring "
-                          "again (it is replaced)", RuntimeWarning, stacklevel=3)
+            if not quiet:
+                warnings.warn(f"gradcompress auto: the calibration cache {self.file} is unreadable ({err}); "
+                              "measuring again (it is replaced)", RuntimeWarning, stacklevel=3)
             return {}
 
     def get(self, entry: str) -> tuple[tuple, float] | None:
@@ -123,7 +125,7 @@ class Cache:
             return
         try:
             os.makedirs(os.path.dirname(self.file) or ".", exist_ok=True)
-            merged = {**self._read_quietly(), **self.entries}
+            merged = {**self._read(quiet=True), **self.entries}  # with what another rank wrote since
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.file) or ".", prefix=".calibration-")
             with os.fdopen(fd, "w") as f:
                 json.dump(merged, f)
@@ -131,15 +133,6 @@ class Cache:
         except OSError as err:
             warnings.warn(f"gradcompress auto: cannot write the calibration cache {self.file} ({err}); kept for "
                           "this run only", RuntimeWarning, stacklevel=3)
-
-    def _read_quietly(self) -> dict:
-        """What another rank may have written since this one read the file (nothing if unreadable)."""
-        try:
-            with open(self.file) as f:
-                data = json.load(f)
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
 
 
 __all__ = ["Cache", "ENV", "key", "machine", "path"]

@@ -40,8 +40,7 @@ from ..spec import make
 from ..state import State
 from ..step import Step
 from ..timing import BACKWARD_SHARE, BucketWork, Round, round_seconds, simulate_step
-from . import calibration
-from .calibration import Cache
+from .calibration import Cache, key as cache_key
 
 #: compression must beat dense by this share of the predicted step to be chosen
 MIN_GAIN = 0.02
@@ -78,7 +77,7 @@ def record(config, world: int, buckets, candidates, cache: Cache | None = None) 
         flat = torch.randn(_numel(seen.shapes), generator=gen).to(seen.device or "cpu")
         row = []
         for spec in candidates:
-            entry = calibration.key(config, world, seen, spec) if cache is not None and allowed(spec, seen) else None
+            entry = cache_key(config, world, seen, spec) if cache is not None and allowed(spec, seen) else None
             found = cache.get(entry) if entry is not None else None
             option = Option(spec, *found) if found else _record_one(config, world, seen, flat, spec)
             if entry is not None and not found:
