@@ -154,6 +154,31 @@ def codec_case(rank, world, spec, options, mode) -> str:
     return d.hex()
 
 
+#: auto with a restored per-bucket plan (key -> spec), run for fewer steps than its first check: the plan's groups
+#: by codec and the restored decision, without the clock-dependent measuring
+AUTO_PLAN_CASES = [{0: "int8", 1: "int8", 2: "int4", 3: "int4", 4: "topk:ratio=0.05"}, {2: "int4", 3: "int4"}]
+
+
+def auto_plan_case(rank, world, plan) -> str:
+    d = Digest()
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    comp = gradcompress.register_ddp_hook(ddp, "auto:budget=any", min_numel=256)
+    state = comp.state_dict()
+    state["auto"]["plan"] = dict(plan)
+    comp.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(comp.autopilot.first):
+        opt.zero_grad()
+        _loss(ddp, rank, world, step + 100).backward()  # steps past BAD_STEP: all finite
+        d.add([p.grad for p in model.parameters()])
+        opt.step()
+    d.add([p for p in model.parameters()])
+    d.add({k: v for k, v in comp.state_dict().items() if k != "auto"})
+    d.add([comp.stats()[k] for k in ("steps", "skipped", "raw_bytes", "wire_bytes")])
+    return d.hex()
+
+
 def fsdp_case(rank, world, spec, options) -> str:
     from torch.distributed.fsdp import fully_shard
 
@@ -230,6 +255,8 @@ def all_cases(rank, world) -> dict:
         out[f"W{world}/adam/{codec}"] = adam_case(rank, world, codec)
     for options in DEMO_CASES:
         out[f"W{world}/demo/{sorted(options.items())}"] = demo_case(rank, world, options)
+    for plan in AUTO_PLAN_CASES:
+        out[f"W{world}/auto-plan/{sorted(plan.items())}"] = auto_plan_case(rank, world, plan)
     # every rank's digest counts (FSDP's shards and DiLoCo's local steps differ by rank)
     everyone = [None] * world
     dist.all_gather_object(everyone, out)
