@@ -3,12 +3,16 @@
 
     python benchmarks/dense_hook_overhead.py --workers 2 --steps 110 --rounds 3
 
-Prints the median step time of each run (the first 10 steps not counted), in milliseconds.
+Prints the median step time of each run (the first 10 steps not counted), in milliseconds; with ``--json`` one JSON
+object instead (``python benchmarks/record.py dense_hook_overhead -- python benchmarks/dense_hook_overhead.py --json``
+keeps it as a result file).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 
 import torch
@@ -48,10 +52,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=110)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="ddp,none,auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (rounds, medians) instead")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    rounds = []
     for r in range(args.rounds):
-        row = {m: launch.run(run, args.workers, m, args.steps, timeout=600)[0] for m in args.modes.split(",")}
-        print(f"round {r + 1}: " + ", ".join(f"{m} {1e3 * t:.2f} ms" for m, t in row.items()), flush=True)
+        row = {m: launch.run(run, args.workers, m, args.steps, timeout=600)[0] for m in modes}
+        rounds.append(row)
+        if not args.json:
+            print(f"round {r + 1}: " + ", ".join(f"{m} {1e3 * t:.2f} ms" for m, t in row.items()), flush=True)
+    if args.json:
+        print(json.dumps({"benchmark": "dense_hook_overhead", "workers": args.workers, "steps": args.steps,
+                          "steps_not_counted": 10, "modes": modes, "median_step_s_by_round": rounds,
+                          "median_over_rounds_s": {m: statistics.median(row[m] for row in rounds) for m in modes}},
+                         indent=1))
 
 
 if __name__ == "__main__":

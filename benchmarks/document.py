@@ -1,0 +1,887 @@
+"""BENCHMARKS.md, written from ``benchmarks/results/*.json``: one current table per question a user asks (issue 37).
+
+    python benchmarks/document.py                   # write BENCHMARKS.md
+    python benchmarks/document.py --check           # exit 1, naming what differs, if BENCHMARKS.md is not that
+    python benchmarks/document.py --output PATH     # write (or, with --check, compare) PATH instead
+    python benchmarks/document.py --pending         # the results no file holds yet: NAME<TAB>COMMAND, one a line
+
+Each section is a small function that reads named result files and renders one table, the prose that says what
+the table answers and how it was measured, and the ``command`` / ``commit`` / ``machine`` each file records (a file
+made with ``benchmarks/record.py`` gets them when it is written). Numbers come only from result files; where a
+section's file does not exist yet it prints ``not re-measured yet:`` and the command that would write it
+(:data:`PENDING`). The output is deterministic: files are read by name, rows in a fixed order, fixed formatting.
+Standard library only (no torch). The measurement log that was BENCHMARKS.md until 2026-12-05 is in
+``docs/changes.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+OUTPUT = os.path.join(ROOT, "BENCHMARKS.md")
+HISTORY = "docs/changes.md#measurement-log-moved-from-benchmarksmd-on-2026-12-05"
+
+RECORD = "python benchmarks/record.py"
+NETBENCH = "python -m gradcompress netbench"
+LM_DEMO = "gradcompress demo --task lm"
+ALL_SCHEMES = ("ddp;torch-fp16;torch-powersgd;none;fp16;int8;int4;sign;topk:ratio=0.01;powersgd:rank=1;"
+               "powersgd:rank=4;auto;auto:budget=any")
+GROWTH_SCHEMES = "ddp;fp16;int8;sign;topk:ratio=0.01;powersgd:rank=1"
+DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
+DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
+NEEDS_JSON_FTBENCH = ("`python -m gradcompress.testbed.ftbench` prints a table only: it needs a `--json` option "
+                      "(`src/gradcompress/testbed/ftbench.py`, `main`) before this command works")
+
+
+def _netbench(name: str, args: str, minutes: int) -> tuple[str, int, str | None]:
+    return f"{RECORD} {name} -- {NETBENCH} {args} --json", minutes, None
+
+
+# name -> (command that writes benchmarks/results/NAME.json, minutes it should take on the 2-core machine (estimated
+# from the measurement log's runs), what must change first or None). netbench needs root (network namespaces).
+PENDING: dict[str, tuple[str, int, str | None]] = {
+    "netbench_mlp_10gbit": _netbench("netbench_mlp_10gbit", "--workers 4 --bandwidth 10gbit --model mlp --steps 10 "
+                                     f"--warmup 10 --timeout 1800 --schemes '{ALL_SCHEMES}'", 3),
+    "netbench_mlp_1gbit": _netbench("netbench_mlp_1gbit", "--workers 4 --bandwidth 1gbit --model mlp --steps 10 "
+                                    f"--warmup 10 --timeout 1800 --schemes '{ALL_SCHEMES}'", 4),
+    "netbench_mlp_100mbit": _netbench("netbench_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model mlp --steps 5 "
+                                      f"--warmup 10 --timeout 1800 --schemes '{ALL_SCHEMES}'", 15),
+    "netbench_mlp_1gbit_w2": _netbench("netbench_mlp_1gbit_w2", "--workers 2 --bandwidth 1gbit --model mlp --steps 5 "
+                                       f"--schemes '{GROWTH_SCHEMES}'", 2),
+    "netbench_mlp_1gbit_w8": _netbench("netbench_mlp_1gbit_w8", "--workers 8 --bandwidth 1gbit --model mlp --steps 5 "
+                                       f"--schemes '{GROWTH_SCHEMES}'", 5),
+    "codec_speed": (f"{RECORD} codec_speed -- python -m gradcompress bench --numel 25000000 --repeats 5 --json", 2,
+                    None),
+    "instep": (f"{RECORD} instep -- python -m gradcompress bench --in-step --codecs "
+               "'none;fp16;int8;sign;topk:ratio=0.01;powersgd:rank=4' --json", 1, None),
+    "instep_versus_torch": (f"{RECORD} instep_versus_torch -- python -m gradcompress bench --in-step --versus-torch "
+                            "--json", 1, None),
+    "dense_hook_overhead": (f"{RECORD} dense_hook_overhead -- python benchmarks/dense_hook_overhead.py "
+                            "--modes ddp,none,auto --rounds 3 --json", 3, None),
+    "randomk_seeds_200": (f"{RECORD} randomk_seeds_200 -- python benchmarks/convergence_seeds.py --seeds 5 --steps 200 "
+                          "--schemes 'none;randomk:ratio=0.25,scale=false;randomk:ratio=0.25,scale=false,momentum=0.9'"
+                          " --json", 2, None),
+    "lm_auto_any_lr3e-3_300": (f"{RECORD} lm_auto_any_lr3e-3_300 --from /tmp/lm_auto/results.json -- {LM_DEMO} "
+                               "--steps 300 --schemes 'none;int4;auto:bandwidth=100mbit;auto:bandwidth=100mbit,"
+                               "budget=any' --out /tmp/lm_auto", 6, None),
+    "digits_auto_any": (f"{RECORD} digits_auto_any --from /tmp/digits_auto/results.json -- gradcompress demo "
+                        "--schemes 'none;auto:bandwidth=100mbit;auto:bandwidth=100mbit,budget=any' "
+                        "--out /tmp/digits_auto", 1, None),
+    "fsdp_mlp_1gbit": _netbench("fsdp_mlp_1gbit", "--fsdp --workers 4 --bandwidth 1gbit --model mlp --steps 6", 3),
+    "fsdp_mlp_100mbit": _netbench("fsdp_mlp_100mbit", "--fsdp --workers 4 --bandwidth 100mbit --model mlp --steps 3 "
+                                  "--timeout 1800", 8),
+    "hsdp_lm_300": (f"{RECORD} hsdp_lm_300 " + " ".join(f"--from /tmp/hsdp/{n}/results.json" for n in
+                                                        ("none", "int8", "int4", "int8p")) +
+                    " -- bash -c 'T=\"python -m gradcompress train --task lm --workers 4 --steps 300 --fsdp --hsdp\";"
+                    " $T --codec none --out /tmp/hsdp/none && $T --codec int8 --out /tmp/hsdp/int8 &&"
+                    " $T --codec int4 --out /tmp/hsdp/int4 && $T --codec int8 --params int8 --out /tmp/hsdp/int8p'",
+                    12, None),
+    "ftbench_1gbit": (f"{RECORD} ftbench_1gbit -- python -m gradcompress.testbed.ftbench --hosts 4 --rate 1gbit "
+                      "--steps 20 --warmup 5 --model mlp --json", 4, NEEDS_JSON_FTBENCH),
+    "ftbench_loopback": (f"{RECORD} ftbench_loopback -- python -m gradcompress.testbed.ftbench --hosts 4 --steps 20 "
+                         "--warmup 5 --model mlp --json", 3, NEEDS_JSON_FTBENCH),
+    "torchft_stall": (f"{RECORD} torchft_stall -- python benchmarks/torchft_stall.py --repeats 3 --json", 3, None),
+    "demo_faults": (f"{RECORD} demo_faults --from /tmp/ft/faults.json -- gradcompress demo --faults --out /tmp/ft", 3,
+                    None),
+    "diloco_lm_10mbit": _netbench("diloco_lm_10mbit", "--workers 4 --bandwidth 10mbit --model lm --steps 100 "
+                                  f"--timeout 1800 --schemes '{DILOCO_LM}'", 9),
+    "diloco_lm_100mbit": _netbench("diloco_lm_100mbit", "--workers 4 --bandwidth 100mbit --model lm --steps 100 "
+                                   f"--schemes '{DILOCO_LM}'", 3),
+    "diloco_lm_1gbit": _netbench("diloco_lm_1gbit", "--workers 4 --bandwidth 1gbit --model lm --steps 100 "
+                                 f"--schemes '{DILOCO_LM}'", 2),
+    "lm_diloco_900": (f"{RECORD} lm_diloco_900 --from /tmp/lm_diloco/results.json -- {LM_DEMO} --steps 900 --schemes "
+                      "'none:diloco=25;int4:diloco=25;int4:diloco=50;topk:ratio=0.03,values=int8,diloco=25' "
+                      "--out /tmp/lm_diloco", 7, None),
+    "diloco_mlp_10mbit": _netbench("diloco_mlp_10mbit", "--workers 4 --bandwidth 10mbit --model mlp --steps 100 "
+                                   f"--timeout 1800 --schemes '{DILOCO_MLP}'", 4),
+    "diloco_mlp_100mbit": _netbench("diloco_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model mlp --steps 100 "
+                                    f"--schemes '{DILOCO_MLP}'", 3),
+}
+
+
+# --------------------------------------------------------------------------- reading
+class Results:
+    """The result files of one folder, read by name; remembers which were read (the rest are listed at the end)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(folder, "*.json")))
+        self.read: set[str] = set()
+        self.pending_shown: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str) -> dict:
+        if not self.has(name):
+            raise KeyError(f"benchmarks/results/{name}.json is missing")
+        self.read.add(name)
+        with open(os.path.join(self.folder, name + ".json")) as f:
+            return json.load(f)
+
+    def first(self, *names: str) -> str | None:
+        """The first of ``names`` that exists (a fresher file before the one it replaces)."""
+        return next((n for n in names if self.has(n)), None)
+
+
+def scheme(data: dict, name: str) -> dict | None:
+    """The first row of a netbench result named ``name`` (None when the run did not measure it)."""
+    return next((s for s in data.get("schemes", []) if s["scheme"] == name), None)
+
+
+def rows_named(data: dict, name: str) -> list[dict]:
+    return [s for s in data["schemes"] if s["scheme"] == name]
+
+
+def run(data: dict, name: str) -> dict:
+    """The run of a demo result whose scheme is ``name``."""
+    return next(r for r in data["runs"] if r["scheme"] == name)
+
+
+def tuned_ddp(r: Results) -> dict:
+    """DDP's best run of the lr sweep (lowest validation loss): the LM task's 'vs DDP'."""
+    return min(r.get("lm_ddp_lr_sweep_300")["runs"], key=lambda run_: run_["val_loss"])
+
+
+def ddp_at(r: Results, lr: float) -> dict:
+    return next(x for x in r.get("lm_ddp_lr_sweep_300")["runs"] if math.isclose(x["lr"], lr))
+
+
+# --------------------------------------------------------------------------- formatting
+def ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f}"
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def fewer(ratio: float) -> str:
+    """How many times fewer bytes: 2 decimals below 10, 1 below 100, whole (rounded down) above."""
+    if ratio >= 100:
+        return f"{math.floor(ratio)}x"
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+
+def pct(value: float, reference: float) -> str:
+    change = 100 * (value / reference - 1)
+    text = f"{abs(change):.1f}"
+    if text == "0.0":
+        return "+0.0 %"
+    return ("+" if change > 0 else "−") + text + " %"
+
+
+def size(n: float | None) -> str:
+    """Bytes, 1000-based (as the CLI prints them)."""
+    if n is None:
+        return "–"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f} KB"
+    return f"{n:.0f} B"
+
+
+def rate(bit: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6)):
+        if bit >= scale:
+            return f"{bit / scale:g} {unit}"
+    return f"{bit:g} bit/s"
+
+
+def code(text: str) -> str:
+    return f"`{text}`"
+
+
+def plan_text(auto: dict | None) -> str:
+    """auto's plan at the end of a run: codec x buckets, and the layout where it measured one."""
+    if not auto or not auto.get("plan"):
+        return "–"
+    text = ", ".join(f"{codec} x{n}" for codec, n in sorted(auto["plan"].items(), key=lambda kv: (-kv[1], kv[0])))
+    return text.replace("none x", "dense x")
+
+
+def table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    right = right if right is not None else set(range(1, len(header)))
+    align = ["---:" if i in right else "---" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + \
+        ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def sources(r: Results, names: list[str]) -> list[str]:
+    """Where a table's numbers come from: each file's command and commit, and the machines."""
+    lines = ["", "Measured by (each file's `command` and `commit`; † = both reconstructed afterwards from the git "
+                 "history):", "", "```bash"]
+    machines: dict[str, list[str]] = {}
+    for name in names:
+        data = r.get(name)
+        mark = " †" if "provenance" in data and "from git history" in data["provenance"] else ""
+        when = f", {data['date'][:10]}" if data.get("date") else ""
+        lines.append(f"# {name}.json: commit {data['commit'][:7]}{mark}{when}")
+        lines.append(data["command"])
+        machines.setdefault(data["machine"], []).append(name)
+    lines.append("```")
+    for machine, files in machines.items():
+        which = "" if len(machines) == 1 else " (" + ", ".join(files) + ")"
+        lines.append(f"Machine{which}: {machine}.")
+    return lines
+
+
+# Pending results whose format no section renders yet: once recorded, their section says so until one does.
+UNRENDERED = {"codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead", "randomk_seeds_200",
+              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "ftbench_1gbit", "ftbench_loopback",
+              "torchft_stall", "demo_faults", "lm_diloco_900", "plan_mlp_1gbit"}
+
+
+def pending(r: Results, *names: str) -> list[str]:
+    """``not re-measured yet`` lines for the named results that no file holds (and a line for those recorded in a
+    format no section renders yet)."""
+    out = []
+    for name in names:
+        if r.has(name):
+            if name in UNRENDERED:
+                out.append(f"- recorded in `benchmarks/results/{name}.json` (commit {r.get(name)['commit'][:7]}); "
+                           "no table renders it yet: add one in `benchmarks/document.py`")
+            continue
+        command, _, needs = PENDING[name]
+        r.pending_shown.append(name)
+        out.append(f"- not re-measured yet: `{command}`" + (f" ({needs})" if needs else ""))
+    return [""] + out if out else []
+
+
+def netbench_table(data: dict, names: list[str] | None = None) -> list[str]:
+    """A netbench result as it stands: step time, x its baseline, bytes on the wire, codec and waiting time."""
+    rows = []
+    for s in data["schemes"]:
+        if names is not None and s["scheme"] not in names:
+            continue
+        codec = "–" if s.get("codec_s_per_step") is None else ms(s["codec_s_per_step"])
+        wait = "–" if s.get("wait_s_per_step") is None else ms(s["wait_s_per_step"])
+        rows.append([code(s["scheme"]), ms(s["median_step_s"]), times(s["speedup"]),
+                     size(s.get("wire_bytes_per_step")), codec, wait])
+    return table(["scheme", "ms/step", f"x {data.get('baseline', 'ddp')}", "wire bytes per host per step",
+                  "codec ms/step", "wait ms/step"], rows)
+
+
+# --------------------------------------------------------------------------- the sections
+LINK_RATES = [("10 Gbit/s", "netbench_mlp_10gbit", "auto_any_mlp_10gbit"),
+              ("1 Gbit/s", "netbench_mlp_1gbit", "auto_any_mlp_1gbit"),
+              ("100 Mbit/s", "netbench_mlp_100mbit", "auto_mlp_100mbit")]
+
+
+def link_files(r: Results) -> list[tuple[str, str]]:
+    return [(label, r.first(fresh, fallback)) for label, fresh, fallback in LINK_RATES]
+
+
+def fastest_fixed(data: dict) -> dict:
+    """The fastest scheme of a run that is not the autopilot."""
+    return min((s for s in data["schemes"] if not s["scheme"].startswith("auto")), key=lambda s: s["median_step_s"])
+
+
+def summary(r: Results) -> list[str]:
+    out = ["## Summary", "",
+           "All measured on one 2-core CPU machine (torch 2.13, gloo): emulated hosts share the 2 cores, so compute "
+           "and codec work are contended and step-time ratios are smaller than on GPUs; bytes are exact. Each line "
+           "below is computed from the files of the section it names.", ""]
+    fast, runs = [], [(label, r.get(name)) for label, name in link_files(r)]
+    counts = [sum(not s["scheme"].startswith("auto") for s in data["schemes"]) for _, data in runs]
+    for (label, data), count in zip(runs, counts):
+        best = fastest_fixed(data)
+        few = f" (of the {count} schemes measured there)" if count < max(counts) else ""
+        fast.append(f"{label} {code(best['scheme'])} {times(best['speedup'])}{few}")
+    out.append(f"- **Which scheme at my link** (12.6M MLP, 4 hosts; fastest fixed scheme, x DDP in the same run): "
+               + "; ".join(fast) + ".")
+    auto = [times(ratio) for _, ratio in autopilot_ratios(r)]
+    out.append(f"- **The autopilot** (`auto`) against the best of DDP, torch-fp16, fp16, int8 and int4 at 10 Gbit/s, "
+               f"1 Gbit/s, 100 Mbit/s: {', '.join(auto)}.")
+    tuned = tuned_ddp(r)
+    lm = r.get("lm_auto_lr1e-2_300")
+    crit = run(r.get("lm_auto_critical_lr1e-2_300"), "auto:bandwidth=100mbit")
+    parts = [f"{code(n)} {pct(run(lm, n)['val_loss'], tuned['val_loss'])} at "
+             f"{fewer(tuned['bytes_per_step'] / run(lm, n)['bytes_per_step'])} fewer bytes" for n in ("int4", "int8")]
+    parts.append(f"`auto` {pct(crit['val_loss'], tuned['val_loss'])} at "
+                 f"{fewer(tuned['bytes_per_step'] / crit['bytes_per_step'])}")
+    out.append(f"- **Accuracy** (LM task, AdamW, 300 steps, against DDP at its best lr, {tuned['lr']:g}: "
+               f"{tuned['val_loss']:.4f}): " + "; ".join(parts) + ".")
+    demo = run(r.get("lm_decoupled_lr_sweep_300"), "decoupled:lr=0.01")
+    sparse = run(r.get("lm_sparseloco_outer_lr_sweep_900"), "none:diloco=50,outer=sparseloco,outer_lr=4")
+    diloco = run(r.get("lm_streaming_diloco_900"), "int4:diloco=50")
+    total = tuned["cumulative_bytes"][-1]
+    out.append(f"- **Below one bit per coordinate**: DeMo (`decoupled:lr=0.01`) "
+               f"{pct(demo['val_loss'], tuned['val_loss'])} at "
+               f"{fewer(tuned['bytes_per_step'] / demo['bytes_per_step'])} fewer bytes per step; SparseLoCo "
+               f"(outer lr 4) {pct(sparse['val_loss'], tuned['val_loss'])} after 900 steps at "
+               f"{fewer(total / sparse['cumulative_bytes'][-1])} fewer bytes in all; `int4:diloco=50` "
+               f"{pct(diloco['val_loss'], tuned['val_loss'])} after 900 steps at "
+               f"{fewer(total / diloco['cumulative_bytes'][-1])} fewer.")
+    nodes = r.get("nodes_2x4_100mbit")
+    hier, flat = scheme(nodes, "int4"), scheme(nodes, "int4:topology=flat")
+    fsdp = {row["scheme"]: row for row in r.get("fsdp_nodes_2x4_1gbit")["rows"]}
+    out.append(f"- **Nodes and FSDP** (2 nodes x 4 workers): hierarchical int4 puts "
+               f"{uplink(hier) / uplink(flat):.2f} of its flat bytes on the uplink; HSDP with int8 "
+               f"{fsdp['int8:layout=hsdp']['x_hsdp']:.3f} of dense HSDP's, plain FSDP with int4 gradients and int8 "
+               f"parameters {fsdp['int4:params=int8']['x_fsdp']:.3f} of dense FSDP's.")
+    out.append(f"- **Not re-measured yet** (no result file; each section gives the command, "
+               f"`benchmarks/MISSING.md` what the docs cite from them): {len([n for n in PENDING if not r.has(n)])} "
+               f"results, among them every torchft figure, codec speed and the in-step cost.")
+    return out
+
+
+def link_table(r: Results) -> list[str]:
+    files = link_files(r)
+    runs = [(label, r.get(name)) for label, name in files]
+    order: list[str] = []
+    for _, data in runs:
+        order += [s["scheme"] for s in data["schemes"] if s["scheme"] not in order]
+    best = {label: fastest_fixed(data)["scheme"] for label, data in runs}
+    rows = []
+    for name in order:
+        cells, sent = [code(name)], []
+        for label, data in runs:
+            s = scheme(data, name)
+            if s is None:
+                cells.append("–")
+                continue
+            cell = f"{ms(s['median_step_s'])} ms, {times(s['speedup'])}"
+            cells.append(f"**{cell}**" if name == best[label] else cell)
+            if size(s["wire_bytes_per_step"]) not in sent:
+                sent.append(size(s["wire_bytes_per_step"]))
+        rows.append(cells + [" / ".join(sent)])
+    out = ["## Which scheme at my link", "",
+           "Step time of each scheme at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s, and how much faster than PyTorch's DDP "
+           "in the same run (bold: the fastest fixed scheme at that rate). The 12.6M-parameter MLP "
+           "(1024-2048-2048-2048-1024, batch 32 of random data per worker, SGD) on 4 emulated hosts: one Linux "
+           "network namespace per host, links shaped with `tc` in both directions, one gloo worker per host, every "
+           "byte between workers on the shaped links. Step time: the slowest rank's, median over the timed steps "
+           "after the untimed ones (the Compressor's 2 dense warm-up steps among them). Bytes: `Compressor.stats()`'s "
+           "`wire_bytes` per host per step (PyTorch's baselines: the same ring count from the cost model). 4 workers "
+           "share 2 cores, so compute and codec work are contended: at 10 Gbit/s the step is compute- and "
+           "codec-bound. `auto` / `auto:budget=any`: the autopilot, measuring everything itself (section "
+           "[The autopilot](#the-autopilot)).", ""]
+    out += table(["scheme"] + [label for label, _ in runs] + ["sent per host per step"], rows)
+    out += ["", "–: not in that run. Which accuracy each scheme keeps: [What it keeps of accuracy]"
+                "(#what-it-keeps-of-accuracy)."]
+    out += pending(r, *[fresh for _, fresh, _ in LINK_RATES])
+    out += sources(r, [name for _, name in files])
+    return out
+
+
+def growth_table(r: Results) -> list[str]:
+    files = [(2, "netbench_mlp_1gbit_w2"), (4, r.first("netbench_mlp_1gbit", "auto_any_mlp_1gbit")),
+             (8, "netbench_mlp_1gbit_w8")]
+    present = [(w, name, r.get(name)) for w, name in files if r.has(name)]
+    names = [n for n in GROWTH_SCHEMES.split(";") if all(scheme(d, n) for _, _, d in present)]
+    rows = [[code(n)] + [size(scheme(d, n)["wire_bytes_per_step"]) for _, _, d in present] for n in names]
+    out = ["## How the bytes grow with the number of workers", "",
+           "Bytes each worker sends per step (`stats()`, ring-counted), 12.6M MLP at 1 Gbit/s. What an all-gather "
+           "of sparse payloads sends (top-k, DGC, threshold) grows as W-1; what the two-step reduce (int8, sign) and "
+           "the all-reduces (fp16, PowerSGD, DDP) send grows as 2(W-1)/W, below twice the compressed size.", ""]
+    out += table(["scheme"] + [f"{w} workers" for w, _, _ in present], rows)
+    out += pending(r, "netbench_mlp_1gbit_w2", "netbench_mlp_1gbit_w8")
+    out += sources(r, [name for _, name, _ in present])
+    return out
+
+
+def cost_table(r: Results) -> list[str]:
+    name = r.first("netbench_mlp_1gbit", "auto_any_mlp_1gbit")
+    data = r.get(name)
+    rows = []
+    for s in data["schemes"]:
+        if s.get("codec_s_per_step") is None:
+            continue
+        rows.append([code(s["scheme"]), ms(s["median_step_s"]), ms(s["codec_s_per_step"]), ms(s["wait_s_per_step"]),
+                     f"{100 * s['codec_s_per_step'] / s['median_step_s']:.0f} %"])
+    out = ["## What compression costs", "",
+           "Where a compressed step's time goes on the 4-host testbed at 1 Gbit/s (12.6M MLP): `stats()`'s codec "
+           "time (encode, decode, error feedback) and the time spent waiting on collectives after the backward pass, "
+           f"per step, rank 0. In this run the compute alone took {ms(data['compute_s'])} ms per step with all 4 "
+           f"workers at once ({ms(data['compute_solo_s'])} ms for one worker alone) and DDP with a hook that sends "
+           f"nothing {ms(data['ddp_floor_s'])} ms: no scheme can be faster than that here.", ""]
+    out += table(["scheme", "ms/step", "codec ms/step", "wait ms/step", "codec share of the step"], rows)
+    out += ["", "The codecs' own speed (encode + decode of a 25M-element tensor against a float16 round trip), one "
+                "whole `Compressor` step against a dense all-reduce of the same gradients on 2 loopback workers "
+                "(with its memory), our hooks against PyTorch's `fp16_compress_hook` and `powerSGD_hook`, and what "
+                "the DDP hook costs when it sends dense:"]
+    out += pending(r, "codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead")
+    out += sources(r, [name])
+    return out
+
+
+def accuracy_tables(r: Results) -> list[str]:
+    sweep = r.get("lm_ddp_lr_sweep_300")
+    tuned = tuned_ddp(r)
+    rows = [[f"{x['lr']:g}", f"{x['val_loss']:.4f}", pct(x["val_loss"], tuned["val_loss"])] for x in sweep["runs"]]
+    out = ["## What it keeps of accuracy", "",
+           "The LM task (`gradcompress demo --task lm`): a byte-level transformer (2 blocks, width 128, context 64, "
+           "0.47M parameters) on Python's documentation text, 4 gloo workers, 16 windows of 64 bytes per worker and "
+           "step, AdamW with cosine decay, seed 0, library defaults with 5 dense warm-up steps; validation loss in "
+           "nats per byte at step 300. One seed: differences of about 1 % between codecs are within its noise. The "
+           "baseline is DDP at the best learning rate of a sweep:", ""]
+    out += table(["DDP's AdamW lr", "validation loss", "vs the best"], rows)
+    labels = [("lm_auto_lr1e-2_300", "int8", "`int8`"),
+              ("lm_auto_lr1e-2_300", "int4", "`int4`"),
+              ("lm_auto_critical_lr1e-2_300", "auto:bandwidth=100mbit", "`auto:bandwidth=100mbit` (the defaults)"),
+              ("lm_auto_lr1e-2_300", "auto:bandwidth=100mbit",
+               "`auto:bandwidth=100mbit`, run before `critical=` existed (as `critical=0`)"),
+              ("lm_auto_allocate_lr1e-2_300", "auto:bandwidth=100mbit,allocate=true",
+               "`auto:bandwidth=100mbit,allocate=true`"),
+              ("lm_auto_any_critical_lr1e-2_300", "auto:bandwidth=100mbit,budget=any",
+               "`auto:bandwidth=100mbit,budget=any`"),
+              ("lm_auto_any_critical_lr1e-2_300", "auto:bandwidth=100mbit,budget=any,critical=0",
+               "`auto:bandwidth=100mbit,budget=any,critical=0`")]
+    rows = [[f"DDP (`none`, lr {tuned['lr']:g})", f"{tuned['val_loss']:.4f}", "—", size(tuned["bytes_per_step"]),
+             fewer(1.0), "–"]]
+    for name, scheme_name, label in labels:
+        x = run(r.get(name), scheme_name)
+        auto = (x.get("stats") or {}).get("auto")
+        rows.append([label, f"{x['val_loss']:.4f}", pct(x["val_loss"], tuned["val_loss"]), size(x["bytes_per_step"]),
+                     fewer(tuned["bytes_per_step"] / x["bytes_per_step"]), plan_text(auto)])
+    out += ["", f"Every scheme at DDP's best lr ({tuned['lr']:g}), against it; `bytes/step` includes the dense "
+                "warm-up steps; the autopilot with a bandwidth hint (no probing), so its choice is the 100 Mbit/s "
+                "one:", ""]
+    out += table(["scheme", "val loss", "vs tuned DDP", "bytes/step", "fewer bytes than DDP", "auto's plan"], rows,
+                 right={1, 2, 3, 4})
+    digits = r.get("digits_auto_allocate")
+    none = run(digits, "none")
+    rows = [[code(x["scheme"]), f"{x['test_accuracy']:.2f} %", f"{x['test_accuracy'] - none['test_accuracy']:+.2f}",
+             size(x["bytes_per_step"]), fewer(none["bytes_per_step"] / x["bytes_per_step"])] for x in digits["runs"]]
+    out += ["", "Digits (`gradcompress demo`: scikit-learn's handwritten digits, an MLP 64-256-256-10, 4 workers, "
+                "SGD with momentum, 250 steps) with the same hint:", ""]
+    out += table(["scheme", "test accuracy", "points vs `none`", "bytes/step", "fewer bytes"], rows)
+    out += ["", "Every scheme of the demo with the library's defaults (digits under SGD, the LM task at lr 3e-3): "
+                "[docs/demo.md](docs/demo.md) and [docs/accuracy.md](docs/accuracy.md), tables generated from "
+                "`docs/demo-results.json` and `docs/lm-demo-results.json` (`benchmarks/readme_tables.py`). Not "
+                "re-measured yet: random-k over 5 seeds ([docs/algorithms.md](docs/algorithms.md)), and the autopilot "
+                "with `budget=any` on both tasks at the demo's defaults ([docs/auto.md](docs/auto.md)):"]
+    out += pending(r, "randomk_seeds_200", "lm_auto_any_lr3e-3_300", "digits_auto_any")
+    out += sources(r, ["lm_ddp_lr_sweep_300", "lm_auto_lr1e-2_300", "lm_auto_critical_lr1e-2_300",
+                       "lm_auto_allocate_lr1e-2_300", "lm_auto_any_critical_lr1e-2_300", "digits_auto_allocate"])
+    return out
+
+
+def uplink(s: dict) -> float:
+    """Bytes a node's uplink sent per step (its veth's tx counter), mean over the nodes."""
+    by_node = s["uplink_tx_bytes_per_step_by_node"]
+    return sum(by_node) / len(by_node)
+
+
+def fsdp_tables(r: Results) -> list[str]:
+    out = ["## FSDP and HSDP", "",
+           "FSDP2 (`fully_shard` on every layer and the root) with its reduce-scatter compressed "
+           "(`register_fsdp(model, spec)`, error feedback on), against PyTorch's own FSDP2, on the 4-host testbed "
+           "(12.6M MLP). FSDP2 also all-gathers the parameters twice per step, which gradient compression does not "
+           "touch:"]
+    fresh = [n for n in ("fsdp_mlp_1gbit", "fsdp_mlp_100mbit") if r.has(n)]
+    for name in fresh:
+        data = r.get(name)
+        out += ["", f"At {rate(data['bandwidth_bit'])}:", ""] + netbench_table(data)
+    out += pending(r, "fsdp_mlp_1gbit", "fsdp_mlp_100mbit")
+    data = r.get("fsdp_nodes_2x4_1gbit")
+    rows = []
+    for row in data["rows"]:
+        up = row["uplink_mb_per_node"]
+        grad = "n/a" if row["grad_inter_node_mb_per_node"] is None else f"{row['grad_inter_node_mb_per_node']:.1f} MB"
+        param = "–" if row["param_mb_per_worker"] is None else \
+            "0 B" if row["param_mb_per_worker"] == 0 else f"{row['param_mb_per_worker']:.1f} MB"
+        rows.append([code(row["scheme"]), row["layout"], f"{row['step_ms']:.0f}", times(row["speedup"]),
+                     f"{sum(up) / len(up):.1f} MB", grad, param, f"{row['x_fsdp']:.3f}", f"{row['x_hsdp']:.3f}"])
+    out += ["", "**Across nodes** (2 nodes x 4 workers, 1 Gbit/s uplinks, the 8.4M MLP `mlp8m`): `fsdp` is FSDP2 "
+                "over all 8 ranks and `hsdp` FSDP2's HSDP (shard inside the node, replicate across), both dense; "
+                "`CODEC:layout=hsdp` compressed HSDP (`register_fsdp(model, CODEC, mesh=...)`); `CODEC` plain FSDP "
+                "with its reduce-scatter hierarchical; `params=int8` the parameter all-gathers in int8. Uplink: what "
+                "left each node per step (gradients and parameters), its veth's counter; the bytes are the result, "
+                f"the step times depend on 8 workers sharing 2 cores (compute alone {data['compute_ms']:.0f} ms/step):",
+            ""]
+    out += table(["scheme", "layout", "ms/step", "speed-up over fsdp", "uplink per node per step",
+                  "gradient bytes between nodes", "parameter bytes per worker", "uplink x fsdp", "uplink x hsdp"],
+                 rows, right={2, 3, 4, 5, 6, 7, 8})
+    out += ["", "The LM task under HSDP (2 nodes x 2 workers, 300 steps; dense, int8, int4, int8 with int8 "
+                "parameters):"]
+    out += pending(r, "hsdp_lm_300")
+    out += sources(r, fresh + ["fsdp_nodes_2x4_1gbit"])
+    return out
+
+
+def nodes_table(r: Results) -> list[str]:
+    data = r.get("nodes_2x4_100mbit")
+    ddp = uplink(scheme(data, "ddp"))
+    rows = []
+    for s in data["schemes"]:
+        up = uplink(s)
+        twin = scheme(data, s["scheme"] + ("," if ":" in s["scheme"] else ":") + "topology=flat")
+        inter = s["inter_node_bytes_per_step_by_node"]
+        inter_text = size(sum(inter) / len(inter)) + (" (model)" if s["inter_node_bytes_source"] == "model" else "")
+        rows.append([code(s["scheme"]), s.get("topology") or "–", size(up), inter_text, f"{up / ddp:.3f}",
+                     f"{up / uplink(twin):.3f}" if twin and s.get("topology") == "hierarchical" else "",
+                     ms(s["median_step_s"]), times(s["speedup"])])
+    out = ["## Nodes: hierarchical against flat", "",
+           "2 nodes (network namespaces) x 4 gloo workers, each node's uplink shaped to 100 Mbit/s, the 8.4M MLP "
+           "`mlp8m`. Hierarchical (the default on nodes): dense reduce-scatter inside the node, the codec between "
+           "nodes on 1/4 of the gradient each, all-gather inside the node; `topology=flat` the exchange over all 8 "
+           "ranks. Uplink: each node's veth tx counter per step (headers and gloo's messages included), mean over "
+           "the 2 nodes; inter-node bytes: the node's workers' `stats()['inter_node_bytes']` (flat counts every "
+           "byte, also to the node's own workers). The bytes are the result: 8 workers on 2 cores make the step "
+           f"compute-bound (compute alone {ms(data['compute_s'])} ms/step with all 8 at once, DDP with a hook that "
+           f"sends nothing {ms(scheme(data, 'ddp-nosend')['median_step_s'])} ms).", ""]
+    out += table(["scheme", "topology", "uplink per node per step", "inter-node bytes per node", "x DDP's uplink",
+                  "x its flat twin", "ms/step", "x DDP"], rows, right={2, 3, 4, 5, 6, 7})
+    out += sources(r, ["nodes_2x4_100mbit"])
+    return out
+
+
+AUTO_RATES = [("10 Gbit/s", "netbench_mlp_10gbit", "auto_mlp_10gbit", "auto_any_mlp_10gbit"),
+              ("1 Gbit/s", "netbench_mlp_1gbit", "auto_mlp_1gbit", "auto_any_mlp_1gbit"),
+              ("100 Mbit/s", "netbench_mlp_100mbit", "auto_mlp_100mbit", None)]
+FIVE = ["ddp", "torch-fp16", "fp16", "int8", "int4"]
+
+
+def _auto_files(r: Results, fresh: str, default: str, any_: str | None) -> tuple[str, str | None]:
+    if r.has(fresh):
+        return fresh, fresh
+    return default, (any_ if any_ and r.has(any_) else None)
+
+
+def autopilot_ratios(r: Results) -> list[tuple[str, float]]:
+    out = []
+    for label, fresh, default, any_ in AUTO_RATES:
+        data = r.get(_auto_files(r, fresh, default, any_)[0])
+        best = min((scheme(data, n) for n in FIVE), key=lambda s: s["median_step_s"])
+        out.append((label, scheme(data, "auto")["median_step_s"] / best["median_step_s"]))
+    return out
+
+
+def autopilot_tables(r: Results) -> list[str]:
+    rows, used = [], []
+    for label, fresh, default, any_ in AUTO_RATES:
+        name, name_any = _auto_files(r, fresh, default, any_)
+        data = r.get(name)
+        used.append(name)
+        best = min((scheme(data, n) for n in FIVE), key=lambda s: s["median_step_s"])
+        auto = scheme(data, "auto")
+        row = [label, f"{ms(auto['median_step_s'])} ms", f"{code(best['scheme'])} {ms(best['median_step_s'])} ms",
+               f"**{times(auto['median_step_s'] / best['median_step_s'])}**", plan_text(auto["auto"])]
+        if name_any:
+            any_data = r.get(name_any)
+            if name_any not in used:
+                used.append(name_any)
+            a = scheme(any_data, "auto:budget=any")
+            best_all = fastest_fixed(any_data)
+            row += [f"{ms(a['median_step_s'])} ms", f"{code(best_all['scheme'])} {ms(best_all['median_step_s'])} ms",
+                    f"**{times(a['median_step_s'] / best_all['median_step_s'])}**", plan_text(a["auto"])]
+        else:
+            row += ["–", "–", "–", "–"]
+        rows.append(row)
+    out = ["## The autopilot", "",
+           "`\"auto\"` measures the link and the compute in the first steps, predicts each candidate codec per DDP "
+           "bucket with the cost model, tries the switch and keeps it only if measured faster "
+           "([docs/auto.md](docs/auto.md)). Here it measured everything itself (no `bandwidth=` hint), next to "
+           "every fixed choice in the same run: the 12.6M MLP on the 4-host testbed as in [Which scheme at my "
+           "link](#which-scheme-at-my-link), enough untimed steps that its decision (step 3) and trial (judged at "
+           "step 9) come first. The default budget (`safe`) chooses among dense, bf16, int8 and int4 and is "
+           "compared with the best of DDP, torch-fp16, fp16, int8 and int4; `budget=any` with the best fixed "
+           "scheme of its run (PowerSGD, sign and top-k too).", ""]
+    out += table(["link", "`auto`", "best of the five", "auto / best", "auto's plan", "`auto:budget=any`",
+                  "best fixed scheme", "any / best", "its plan"], rows, right={1, 2, 3, 5, 6, 7})
+    out += pending(r, "netbench_mlp_100mbit")
+    out += sources(r, used)
+    out += [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
+    out += ["", "On the LM task and digits (accuracy, with a bandwidth hint): [What it keeps of accuracy]"
+                "(#what-it-keeps-of-accuracy)."]
+    return out
+
+
+def link_drop(r: Results) -> list[str]:
+    name = "auto_cnn_link_drop"
+    data = r.get(name)
+    change = re.search(r"--change (\d+):(\S+)", data["command"])
+    drop = int(change.group(1))
+    windows = [(i, min(i + 10, data["steps"])) for i in range(0, data["steps"], 10)]
+    rows = []
+    for s in data["schemes"]:
+        means = [f"{ms(sum(s['step_s'][a:b]) / (b - a))} ms" for a, b in windows]
+        rows.append([code(s["scheme"])] + means)
+    auto = scheme(data, "auto")
+    dense = scheme(data, "ddp")["wire_bytes_per_step"]
+    switched = next(i for i in range(drop, len(auto["step_wire_bytes"])) if auto["step_wire_bytes"][i] < dense)
+    header = ["scheme"] + [f"timed steps {a}–{b - 1}" + (" (after the drop)" if a == drop else "")
+                           for a, b in windows]
+    out = ["### When the link drops mid-run", "",
+           f"The compute-bound CNN (0.39M parameters), 4 hosts at {rate(data['bandwidth_bit'])}; before timed step "
+           f"{drop} every uplink is reshaped to {change.group(2)} with `tc` (`--change`). Mean step time per 10 "
+           f"steps. `auto` was dense at the fast rate (it tried int4, measured it slower, went back); its first "
+           f"compressed step after the drop was timed step {switched}: it switched within {switched - drop + 1} "
+           f"steps, and probed {size(auto['auto']['probe_bytes'])} in all.", ""]
+    out += table(header, rows)
+    out += sources(r, [name])
+    return out
+
+
+def compute_bound(r: Results) -> list[str]:
+    names = ["auto_cnn_10gbit_overhead", "auto_cnn_10gbit_overhead_passive"]
+    rows, spreads = [], []
+    for name in names:
+        data = r.get(name)
+        means = {}
+        for label in ("ddp", "none", "auto"):
+            runs = rows_named(data, label)
+            means[label] = [sum(s["step_s"]) / len(s["step_s"]) for s in runs]
+        avg = {k: sum(v) / len(v) for k, v in means.items()}
+        medians = [s["median_step_s"] for s in rows_named(data, "none")]
+        spreads.append(max(medians) / min(medians))
+        rows.append([f"`{name}`", " / ".join(ms(v) for v in means["ddp"]), " / ".join(ms(v) for v in means["none"]),
+                     " / ".join(ms(v) for v in means["auto"]), times(avg["none"] / avg["ddp"]),
+                     times(avg["auto"] / avg["ddp"]), times(avg["auto"] / avg["none"])])
+    out = ["### Where compression does not pay", "",
+           "The same CNN at 10 Gbit/s, where DDP is fastest: DDP, our hook sending dense (`none`) and `auto`, each "
+           "three times interleaved, 30 timed steps each; mean step per round and the ratios of the means over the "
+           "rounds. `auto` proposes a codec, measures it slower and goes back to dense; what it costs is those trial "
+           "steps and our dense hook path. The second file is the re-run after the link was probed only when the "
+           "step time moved. Identical runs here differ by up to "
+           f"{100 * (max(spreads) - 1):.0f} % (`none`'s median, between rounds).", ""]
+    out += table(["result", "DDP ms (rounds)", "`none` ms", "`auto` ms", "none / DDP", "auto / DDP", "auto / none"],
+                 rows)
+    out += sources(r, names)
+    return out
+
+
+def auto_nodes(r: Results) -> list[str]:
+    name = "auto_nodes_2x4_100mbit"
+    data = r.get(name)
+    rows = [[code(s["scheme"]), s.get("topology") or "–", ms(s["median_step_s"]), times(s["speedup"]),
+             size(uplink(s))] for s in data["schemes"]]
+    auto = scheme(data, "auto")
+    fixed = min((s for s in data["schemes"] if s["kind"] == "ours"), key=lambda s: s["median_step_s"])
+    layouts = auto["auto"].get("layout_step_s") or {}
+    measured = ", ".join(f"{k} {ms(v)} ms" for k, v in sorted(layouts.items()))
+    out = ["### On nodes", "",
+           "2 nodes x 4 workers at 100 Mbit/s (the 8.4M MLP): `auto` chooses the codecs with the flat cost model, "
+           f"then measures flat against hierarchical for 6 steps each and keeps the faster ({measured}: "
+           f"{auto['auto']['layout']} kept). Against the best fixed choice ({code(fixed['scheme'])}): "
+           f"**{times(auto['median_step_s'] / fixed['median_step_s'])}**.", ""]
+    out += table(["scheme", "topology", "ms/step", "x DDP", "uplink per node per step"], rows)
+    out += sources(r, [name])
+    return out
+
+
+def faults_section(r: Results) -> list[str]:
+    out = ["## Faults under torchft", "",
+           "Under torchft (`pip install -e '.[torchft]'`, [docs/torchft.md](docs/torchft.md)): what the quorum and "
+           "commit cost per step against plain DDP and torchft's own DDP (4 hosts at 1 Gbit/s and on loopback, the "
+           "12.6M MLP), the stall from a replica's SIGKILL to the survivors' next committed step (3 replicas, a "
+           "kill between steps or inside the exchange), and the demo's kill-and-restart scenario (digits, 3 "
+           "replicas, 120 steps). The figures measured on 2026-12-04 have no result file; they are in the "
+           f"[measurement log]({HISTORY}).", ""]
+    out += pending(r, "ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults")[1:]
+    return out
+
+
+BELOW_ONE_BIT = [
+    ("lm_decoupled_vs_none_300", "none", "DDP at the task's default lr (3e-3)"),
+    ("lm_decoupled_vs_none_300", "decoupled", "DeMo, the paper's defaults"),
+    ("lm_decoupled_lr_sweep_300", "decoupled:lr=0.001", "DeMo, lr x0.3"),
+    ("lm_decoupled_lr_sweep_300", "decoupled:lr=0.01", "DeMo, lr x3"),
+    ("lm_onebitadam_local_steps_300", "onebitadam:warmup_steps=5,sync_every=2", "1-bit Adam, local steps"),
+    ("lm_onebitadam_local_steps_300", "onebitadam:warmup_steps=5,sync_every=4", "1-bit Adam, local steps"),
+    ("lm_onebitadam_local_steps_300", "onebitadam:warmup_steps=8,sync_every=8", "1-bit Adam, local steps"),
+    ("lm_sparseloco_900", "none:diloco=50", "DiLoCo, dense outer gradients"),
+    ("lm_streaming_diloco_900", "int4:diloco=50", "DiLoCo, int4"),
+    ("lm_streaming_diloco_900", "int4:diloco=50,fragments=4,delay=5", "streaming DiLoCo, int4"),
+    ("lm_sparseloco_900", "none:diloco=50,outer=sparseloco", "SparseLoCo, outer lr 1"),
+    ("lm_streaming_diloco_900", "none:diloco=50,outer=sparseloco", "SparseLoCo, outer lr 1 (again)"),
+    ("lm_streaming_diloco_900", "none:diloco=50,outer=sparseloco,fragments=4,delay=5", "streaming SparseLoCo"),
+    ("lm_sparseloco_outer_lr_sweep_900", "none:diloco=50,outer=sparseloco,outer_lr=2", "SparseLoCo, outer lr 2"),
+    ("lm_sparseloco_outer_lr_sweep_900", "none:diloco=50,outer=sparseloco,outer_lr=4", "SparseLoCo, outer lr 4"),
+]
+
+
+def diloco_tables(r: Results) -> list[str]:
+    tuned = tuned_ddp(r)
+    base = ddp_at(r, 0.003)
+    total = tuned["cumulative_bytes"][-1]
+    rows = []
+    for name, scheme_name, what in BELOW_ONE_BIT:
+        x = run(r.get(name), scheme_name)
+        rows.append([what, code(scheme_name), str(x["steps"]), f"{x['val_loss']:.4f}",
+                     pct(x["val_loss"], base["val_loss"]), pct(x["val_loss"], tuned["val_loss"]),
+                     size(x["bytes_per_step"]), fewer(total / x["cumulative_bytes"][-1])])
+    out = ["## DiLoCo, streaming DiLoCo, SparseLoCo, DeMo", "",
+           "Below one bit per coordinate, on the LM task of [What it keeps of accuracy](#what-it-keeps-of-accuracy) "
+           "(AdamW inside DiLoCo at lr 3e-3; DeMo and 1-bit Adam are optimizers of their own). Per-step schemes run "
+           "DDP's 300 steps, the DiLoCo family 900 (3x: the question is whether they reach DDP's 300-step loss); "
+           f"`fewer bytes` compares what the whole run sent with what the tuned DDP sent in 300 steps "
+           f"({size(total)}). Validation loss of rank 0's model at the last step (a streamed model holds up to a few "
+           "steps of each fragment's local progress blended in). One seed; one learning-rate sweep per method.", ""]
+    out += table(["method", "scheme", "steps", "val loss", f"vs DDP lr 3e-3 ({base['val_loss']:.4f})",
+                  f"vs the tuned DDP ({tuned['val_loss']:.4f})", "bytes/step", "fewer bytes in all"], rows,
+                 right={2, 3, 4, 5, 6, 7})
+    out += ["", "DiLoCo with H = 25 and with sparse outer gradients (top-k 3 % + int8 values), the table of "
+                "[docs/algorithms.md](docs/algorithms.md#diloco):"]
+    out += pending(r, "lm_diloco_900")
+    out += sources(r, sorted({name for name, _, _ in BELOW_ONE_BIT} | {"lm_ddp_lr_sweep_300"}))
+    out += ["", "### Step time on the testbed", "",
+            "Blocking against streaming DiLoCo (`fragments=4`: a quarter of the model per sync, applied `delay` "
+            "steps later, overlapped with the inner steps) and DDP with per-step int8 and int4, on the 4-host "
+            "testbed at 10 Mbit/s, 100 Mbit/s and 1 Gbit/s (the LM model) and the 12.6M MLP at 10 and 100 Mbit/s; "
+            "DiLoCo's step is the mean over whole intervals of H = 50 after an untimed one. With the LM runs above, "
+            "these give the wall time to the tuned DDP's 300-step loss."]
+    testbed = ("diloco_lm_10mbit", "diloco_lm_100mbit", "diloco_lm_1gbit", "diloco_mlp_10mbit", "diloco_mlp_100mbit")
+    fresh = [n for n in testbed if r.has(n)]
+    for name in fresh:
+        data = r.get(name)
+        out += ["", f"{data['model']} at {rate(data['bandwidth_bit'])} (compute alone "
+                    f"{ms(data['compute_s'])} ms/step):", ""] + netbench_table(data)
+    out += time_to_loss(r)
+    out += pending(r, *testbed)
+    if fresh:
+        out += sources(r, fresh)
+    return out
+
+
+def time_to_loss(r: Results) -> list[str]:
+    """Wall time to the tuned DDP's 300-step loss: DDP's 300 steps against DiLoCo's 900 (an upper bound on the steps
+    it needs), from the testbed's step times; only where a DiLoCo run's loss at 900 steps is below the tuned DDP's."""
+    tuned = tuned_ddp(r)
+    lm = r.get("lm_streaming_diloco_900")
+    rows = []
+    for name in ("diloco_lm_10mbit", "diloco_lm_100mbit"):
+        if not r.has(name):
+            continue
+        data = r.get(name)
+        ddp = scheme(data, "ddp")
+        ddp_s = ddp["median_step_s"]
+        cells = [rate(data["bandwidth_bit"]), f"300 x {ddp_s:.3f} s = {300 * ddp_s:.0f} s"]
+        for scheme_name in ("int4:diloco=50", "int4:diloco=50,fragments=4,delay=5"):
+            s, x = scheme(data, scheme_name), run(lm, scheme_name)
+            if s is None or x["val_loss"] >= tuned["val_loss"]:
+                cells.append("–")
+                continue
+            wall = x["steps"] * s["median_step_s"]
+            cells.append(f"{x['steps']} x {s['median_step_s']:.4f} s = {wall:.0f} s "
+                         f"(speed-up {times(300 * ddp_s / wall)})")
+        rows.append(cells)
+    if not rows:
+        return []
+    return ["", "Wall time to the tuned DDP's 300-step loss (900 steps: an upper bound on what a DiLoCo run needs; "
+                "only where its loss at 900 steps is below the tuned DDP's):", ""] + \
+        table(["link", "the tuned DDP, 300 steps", "`int4:diloco=50`", "streamed, F=4"], rows)
+
+
+def plan_section(r: Results) -> list[str]:
+    name = r.first("netbench_mlp_1gbit", "auto_any_mlp_1gbit")
+    data = r.get(name)
+    per_message_us = data["allreduce_small_s"] / (2 * (data["workers"] - 1)) * 1e6
+    command = (f"{RECORD} plan_mlp_1gbit -- python -m gradcompress plan --model mlp --workers 4 --bandwidth 1gbit "
+               f"--compute-ms {1000 * data['ddp_floor_s']:.1f} --cores 2 --contention {data['contention']:.2f} "
+               f"--per-message-us {per_message_us:.0f} --host-limit {data['allreduce_payload_bandwidth'] * 8:.0f}bit "
+               "--json")
+    PENDING["plan_mlp_1gbit"] = (command, 1, None)
+    out = ["## Does `plan` predict the step", "",
+           "`gradcompress plan` predicts each scheme's step time from an alpha-beta model of its collectives, DDP's "
+           "buckets and overlap with the backward pass, and codec costs calibrated on this machine "
+           "([docs/when-it-pays.md](docs/when-it-pays.md)). Compared with a netbench run, given that run's "
+           f"measured floor, contention, per-message cost and host payload rate (here `{name}.json`'s):"]
+    out += pending(r, "plan_mlp_1gbit")
+    return out
+
+
+def method_section(r: Results) -> list[str]:
+    unread = [n for n in r.names if n not in r.read]
+    out = ["## How these tables are made", "",
+           "`python benchmarks/document.py` writes this page from `benchmarks/results/*.json`; `--check` fails when "
+           "the page is not what it would write (`tests/test_benchmarks_doc.py` runs it). Every result file "
+           "records the `command` that produced it, the `commit` measured and the `machine`; "
+           "`python benchmarks/record.py NAME -- COMMAND` runs a command and writes its result that way. Files "
+           "marked † were measured before this page was generated: their command was added afterwards from the "
+           "git history and the old BENCHMARKS.md, and their commit is the last one that changed the file (the "
+           "code measured was that commit's or one shortly before it); their `provenance` says so. The step "
+           "times come from a shared 2-core machine: compare ratios within one run, not milliseconds across runs. "
+           "Every earlier table, with the re-runs "
+           f"and the issues' targets, is in the [measurement log]({HISTORY}); "
+           "`benchmarks/MISSING.md` lists the numbers the README and docs cite that have no result file yet."]
+    if unread:
+        out += ["", "Result files no table reads yet: " + ", ".join(f"`{n}.json`" for n in unread) + "."]
+    return out
+
+
+SECTIONS = [link_table, growth_table, cost_table, accuracy_tables, fsdp_tables, nodes_table, autopilot_tables,
+            faults_section, diloco_tables, plan_section]
+
+
+def render(folder: str = RESULTS) -> str:
+    r = Results(folder)
+    body: list[str] = []
+    for section in SECTIONS:
+        body += [""] + section(r)
+    head = ["# Benchmarks", "",
+            "What gradcompress measured, one current table per question. Generated by `benchmarks/document.py` from "
+            "`benchmarks/results/*.json`: edit that script or the result files, not this page.", ""]
+    text = head + summary(r) + body + [""] + method_section(r)
+    return "\n".join(text) + "\n"
+
+
+# --------------------------------------------------------------------------- the command line
+def differences(expected: str, found: str, path: str) -> str:
+    """A short description of what differs: the sections, the first lines of a diff."""
+    exp, got = expected.splitlines(), found.splitlines()
+    sections, heading = [], "(top)"
+    matcher = difflib.SequenceMatcher(a=exp, b=got, autojunk=False)
+    for tag, i1, i2, _, _ in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        for line in reversed(exp[:max(i1, 1)]):
+            if line.startswith("#"):
+                heading = line.lstrip("# ")
+                break
+        if heading not in sections:
+            sections.append(heading)
+    diff = list(difflib.unified_diff(got, exp, fromfile=path, tofile="what document.py writes", lineterm="", n=1))
+    shown = "\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else "")
+    return (f"{path} is not what benchmarks/document.py writes; sections that differ: {'; '.join(sections)}\n"
+            f"{shown}\nrun: python benchmarks/document.py" + ("" if path == os.path.relpath(OUTPUT, ROOT)
+                                                              else f" --output {path}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/document.py", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if the output file is not what this would write")
+    p.add_argument("--output", default=OUTPUT, help="the page to write or check (default BENCHMARKS.md)")
+    p.add_argument("--results", default=RESULTS, help="the folder of result files (default benchmarks/results)")
+    p.add_argument("--pending", action="store_true", help="print the results no file holds yet and their commands")
+    args = p.parse_args(argv)
+    text = render(args.results)
+    if args.pending:
+        names = Results(args.results).names
+        for name, (command, minutes, needs) in sorted(PENDING.items()):
+            if name not in names:
+                print(f"{name}\t~{minutes} min\t{command}" + (f"\t(first: {needs})" if needs else ""))
+        return 0
+    shown = os.path.relpath(args.output, ROOT) if os.path.abspath(args.output).startswith(ROOT) else args.output
+    if args.check:
+        try:
+            with open(args.output, encoding="utf-8") as f:
+                found = f.read()
+        except FileNotFoundError:
+            print(f"{shown} does not exist; run: python benchmarks/document.py", file=sys.stderr)
+            return 1
+        if found != text:
+            print(differences(text, found, shown), file=sys.stderr)
+            return 1
+        print(f"{shown} is what benchmarks/document.py writes ({len(text.splitlines())} lines)")
+        return 0
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {shown} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
