@@ -46,7 +46,16 @@ def _train_step(model, opt, rank: int, step: int) -> None:
 
 
 def _plan_text(compressor) -> str:
-    return repr(sorted(compressor.autopilot.chosen.items())) if compressor.autopilot else compressor.codec.spec
+    pilot = compressor.autopilot
+    return repr(sorted(pilot.choice.chosen.items())) if pilot else compressor.codec.spec
+
+
+def _hint(compressor, rate: float) -> None:
+    """The autopilot's bandwidth hint becomes ``rate`` (a simulated link change)."""
+    import dataclasses
+
+    pilot = compressor.autopilot
+    pilot.config = dataclasses.replace(pilot.config, auto=dataclasses.replace(pilot.options, bandwidth=rate))
 
 
 def _same_everywhere(text: str) -> bool:
@@ -68,8 +77,7 @@ def ddp_train(rank: int, world: int, spec: str, steps: int, options: dict | None
     plans, equal, same = [], [], []
     for step in range(steps):
         if change is not None and step == change[0]:
-            import dataclasses
-            comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=change[1])
+            _hint(comp, change[1])
         _train_step(model, opt, rank, step)
         plans.append(_plan_text(comp))
         equal.append(_replicas_equal(model))
@@ -81,16 +89,13 @@ def ddp_train(rank: int, world: int, spec: str, steps: int, options: dict | None
 def switch(rank: int, world: int, steps: int, at: int, back: int) -> dict:
     """auto with a fast-link hint, re-checking every 2 steps; the hint drops to 1 Mbit/s at step ``at`` and comes
     back at ``back``: residuals of the compressed steps are kept unchanged over the dense ones."""
-    import dataclasses
-
     model = DDP(_model(), bucket_cap_mb=0.1)
     comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=100gbit,every=2")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     plans, equal, residuals = [], [], []
     for step in range(steps):
         if step in (at, back):
-            rate = 1e6 if step == at else 100e9
-            comp.autopilot.options = dataclasses.replace(comp.autopilot.options, bandwidth=rate)
+            _hint(comp, 1e6 if step == at else 100e9)
         _train_step(model, opt, rank, step)
         plans.append(_plan_text(comp))
         equal.append(_replicas_equal(model))
@@ -176,7 +181,7 @@ def nodes_train(rank: int, world: int, spec: str, steps: int, force: str | None 
 
         def clock():  # steps of the forced layout take a tenth of their time (every rank alike)
             now = real() + offset[0]
-            if pilot.layout == force and pilot.decided_at is not None:
+            if pilot.choice.layout == force and pilot.ledger.decided_at is not None:
                 offset[0] -= 0.9 * (now - clock.last)
                 now = real() + offset[0]
             clock.last = now
@@ -189,7 +194,7 @@ def nodes_train(rank: int, world: int, spec: str, steps: int, force: str | None 
     for step in range(steps):
         _train_step(model, opt, rank, step)
         plans.append(_plan_text(comp))
-        layouts.append(pilot.layout)
+        layouts.append(pilot.choice.layout)
         equal.append(_replicas_equal(model))
         same.append(_same_everywhere(plans[-1] + layouts[-1]))
     return {"digest": _digest(model), "plans": plans, "layouts": layouts, "equal": equal, "same": same,
@@ -261,7 +266,7 @@ def regime_train(rank: int, world: int, steps: int, scale_at: int) -> dict:
         (scale * nn.functional.cross_entropy(model(x), y)).backward()
         opt.step()
         plans.append(_plan_text(comp))
-        critical.append(comp.autopilot.critical)
+        critical.append(comp.autopilot.regime.critical)
         equal.append(_replicas_equal(model))
     return {"plans": plans, "equal": equal, "critical": critical, "stats": comp.stats()["auto"],
             "explain": comp.explain()}

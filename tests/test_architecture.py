@@ -90,9 +90,9 @@ LAYERS = [
     ["gradcompress.schedule", "gradcompress.monitor", "gradcompress.timing", "gradcompress.autospec"],
     ["gradcompress.exchanges", "gradcompress.transforms"],
     ["gradcompress.config", "gradcompress.state"],
-    ["gradcompress.session"],
+    ["gradcompress.session", "gradcompress.terms"],
     ["gradcompress.step"],
-    ["gradcompress.autopilot"],
+    ["gradcompress.autopilot", "gradcompress.quorum"],
     ["gradcompress.compressor"],
     ["gradcompress.adapters", "gradcompress.optim", "gradcompress.integrations"],
     ["gradcompress", "gradcompress.factory"],
@@ -205,3 +205,97 @@ def test_every_exchange_has_one_signature():
     jobs = sum(1 for path in (ROOT / "exchanges").glob("*.py") for n in ast.walk(ast.parse(path.read_text()))
                if isinstance(n, ast.FunctionDef) and n.name == "job")
     assert odd == [] and jobs >= 10, (odd, jobs)
+
+
+# ---------------------------------------------------------------------------- the seam (issue 37)
+def _assigned_attributes(path: pathlib.Path):
+    """(line, the assigned object's last name, attribute) of every attribute assignment in a file (``a.b.c = ``,
+    ``a.b += ``, ``a.b[k] = ``: the object ``a.b``'s last name is ``b`` for ``c``; for ``a.b[k]`` the attribute ``b``
+    of ``a``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in ast.walk(target):
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                if isinstance(t, ast.Attribute):
+                    base = t.value
+                    name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) \
+                        else ""
+                    yield node.lineno, name, t.attr
+
+
+def _writers(owner_names: set, allowed: set) -> list:
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        if rel in allowed:
+            continue
+        for line, name, attr in _assigned_attributes(path):
+            if name in owner_names:
+                found.append(f"{rel}:{line} {name}.{attr}")
+    return sorted(found)
+
+
+def test_nothing_outside_step_py_writes_a_steps_attributes():
+    """The Step publishes what it measured (``Step.record``); nobody writes into it (``step.x = ...``, a timer's
+    ``step.codec_seconds += ...``)."""
+    assert _writers({"step", "_step", "prev", "current_step", "timer"}, {"step.py"}) == []
+
+
+def test_nothing_outside_state_and_compressor_writes_a_states_attributes():
+    """Only state.py and compressor.py assign a State's attributes (``state.step = ...``, ``state.slots[s][k] = ...``);
+    everyone else goes through its methods (commit, forget, add, load_state_dict)."""
+    assert _writers({"state", "_state"}, {"state.py", "compressor.py"}) == []
+
+
+def test_the_autopilot_is_parts_you_can_read():
+    """Every class of the autopilot sets at most 12 attributes; its package face is at most 60 lines; compressor.py
+    names the autopilot on at most 3 lines."""
+    big = []
+    for path in sorted((ROOT / "autopilot").glob("*.py")):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            names = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     for t in ast.walk(target) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                     and t.value.id == "self"}
+            fields = [n for n in cls.body if isinstance(n, ast.AnnAssign)]  # dataclass fields
+            if len(names) + len(fields) > 12:
+                big.append(f"{path.name}:{cls.name} ({len(names) + len(fields)})")
+    assert big == []
+    assert len((ROOT / "autopilot" / "__init__.py").read_text().splitlines()) <= 60
+    lines = [l for l in (ROOT / "compressor.py").read_text().splitlines() if "autopilot" in l.lower()]
+    assert len(lines) <= 3, lines
+
+
+def test_optim_does_not_import_the_integrations(graph):
+    assert sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("gradcompress.optim")
+                  for d in deps if d.startswith("gradcompress.integrations")) == []
+
+
+TORCHFT_NAMES = {"manager", "_manager", "pg", "m"}
+
+
+def test_torchft_is_reached_through_its_public_api():
+    """No private attribute of a torchft object is read (``manager._pg``, ``_quorum_id``, ``torchft._torchft``) and
+    no method of one is replaced (``manager.should_commit = ...``), anywhere in the library."""
+    private, replaced = [], []
+    for path in ROOT.rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id in TORCHFT_NAMES:
+                private.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                private += [f"{rel}:{node.lineno} {n}" for n in names if n.startswith("torchft") and "._" in n]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and str(node.args[1].value).startswith("_") and not str(node.args[1].value).startswith("__"):
+                private.append(f"{rel}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+        for line, name, attr in _assigned_attributes(path):
+            if name in TORCHFT_NAMES:
+                replaced.append(f"{rel}:{line} {name}.{attr}")
+    assert private == [] and replaced == []

@@ -30,7 +30,8 @@ def _buckets():
     ("auto:budget=tight", "auto: budget must be one of safe, any, got 'tight'"),
     ("auto:bandwidth=fast", "auto: bandwidth: bad rate 'fast'"),
     ("auto:every=0", "auto: every must be an integer >= 1, got 0"),
-    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate, critical; Compressor options"),
+    ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate, critical, cache; Compressor options"),
+    ("auto:cache= ", "auto: cache must be a file path or off"),
     ("auto:critical=-1", "auto: critical must be a number >= 0 (0: off), got -1"),
     ("auto:allocate=2", "auto: allocate must be true or false, got 2"),
 ])
@@ -97,51 +98,81 @@ def test_fit_link_matches_the_measured_dense_step():
     assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.0) == (1.0, 1.0)
 
 
+def _pilot(spec: str = "auto", **options):
+    """An Autopilot whose last step saw the 3 buckets of :data:`SHAPES` (their costs recorded), no group."""
+    from gradcompress.autopilot import Autopilot
+    from gradcompress.autopilot.calibration import Cache
+    from gradcompress.session import Session
+    from gradcompress.state import State
+    from gradcompress.step import StepRecord
+
+    config = Config.parse(spec, options)
+    pilot = Autopilot(config, State(), Session(config), cache=Cache(None))
+    pilot.meter.closed(StepRecord(0, pilot.choice.plan, True, True, tuple(_buckets()), True, 0, 0.0, False))
+    pilot.costs.of(config, 4, pilot.meter.buckets)
+    return pilot
+
+
+def _on_trial(pilot, old: dict, new: dict, old_step: float, new_step: float):
+    """``pilot`` switched from ``old`` to ``new`` at step 1 (a measured decision: a codec trial judged at step 7),
+    its new plan measured at ``new_step`` per step; judged now."""
+    from gradcompress.autopilot.policy import Basis, Check, Decision
+    from gradcompress.autopilot.probation import Choice, CodecTrial
+    from gradcompress.collectives import LocalCollectives
+
+    pilot._apply(new)
+    check = Check(1, 0.05, old_step, 1e8, 1e-4, tuple((0.0,) * 4 for _ in SHAPES))
+    pilot.ledger.last = Decision(new, (3, 3, 3), new_step, old_step, (1, 1, 1), check, Basis(0.05, 1e8, 1e-4))
+    pilot.ledger.basis = pilot.ledger.last.basis
+    pilot.probation.begin(CodecTrial(7, Choice.of(old), old_step))
+    pilot.meter.walls.extend([new_step] * 3)
+    pilot._judge(LocalCollectives(1), 7)
+
+
 @pytest.mark.parametrize("new_step, kept", [(0.2, False), (0.104, False), (0.1, False), (0.05, True)])
 def test_the_trial_keeps_more_compression_only_when_measured_faster(new_step, kept):
     """TRIAL_STEPS after a measured switch to a plan that sends fewer bytes, its measured step is compared with the
     old plan's: not faster (a tie included), back to the old plan (and the new one is not chosen again until
-    compressing pays more); faster, kept."""
-    from gradcompress.autopilot import Autopilot, Trial
-    from gradcompress.collectives import LocalCollectives
-    from gradcompress.session import Session
-    from gradcompress.state import State
+    compressing pays more); faster, kept. ``explain()`` says which."""
+    from gradcompress.autopilot.probation import Steady
 
-    config = Config.parse("auto", {})
-    pilot = Autopilot(config, State(), Session(config))
-    pilot.buckets = _buckets()
-    pilot.costs = record(config, 4, pilot.buckets, config.auto.candidates)
-    new = {0: "int4", 1: "int4", 2: "int4", 3: "int4", 4: "int4", 5: "int4"}
-    pilot._apply(new)
-    pilot.trial = Trial(7, ({}, "flat"), 0.1, "codec")
-    pilot.meter.walls.extend([new_step] * 3)
-    pilot._judge(LocalCollectives(1), 7)
-    assert pilot.trial is None and pilot.decision["trial"] == (0.1, new_step)
+    pilot = _pilot()
+    new = {k: "int4" for k in range(6)}
+    _on_trial(pilot, {}, new, 0.1, new_step)
+    assert isinstance(pilot.probation.state, Steady) and pilot.ledger.last.trial == (0.1, new_step)
     if kept:
-        assert pilot.chosen == new and pilot.rejected == [] and pilot.switches == 0
+        assert pilot.choice.chosen == new and pilot.probation.rejected == [] and pilot.ledger.switches == 0
     else:
-        assert pilot.chosen == {} and pilot.plan.dense and pilot.rejected == [new] and pilot.switches == 1
-    assert ("went back" in pilot.explain()) == (not kept) or "choice" not in pilot.decision
+        assert pilot.choice.chosen == {} and pilot.choice.plan.dense and pilot.probation.rejected == [new]
+        assert pilot.ledger.switches == 1
+    assert ("went back" in pilot.explain()) == (not kept) and ("(kept)" in pilot.explain()) == kept
 
 
 @pytest.mark.parametrize("new_step, kept", [(0.104, True), (0.2, False)])
 def test_the_trial_keeps_less_compression_unless_clearly_slower(new_step, kept):
     """A switch to a plan that sends more bytes (int4 -> dense) stays unless measured more than TRIAL_MARGIN (5 %)
     slower: a tie goes to the plan that compresses less."""
-    from gradcompress.autopilot import Autopilot, Trial
-    from gradcompress.collectives import LocalCollectives
-    from gradcompress.session import Session
-    from gradcompress.state import State
-
-    config = Config.parse("auto", {})
-    pilot = Autopilot(config, State(), Session(config))
-    pilot.buckets = _buckets()
-    pilot.costs = record(config, 4, pilot.buckets, config.auto.candidates)
+    pilot = _pilot()
     old = {k: "int4" for k in range(6)}
-    pilot.trial = Trial(7, (old, "flat"), 0.1, "codec")
-    pilot.meter.walls.extend([new_step] * 3)
-    pilot._judge(LocalCollectives(1), 7)
-    assert (pilot.chosen == {}) == kept and (pilot.chosen == old) == (not kept)
+    pilot._apply(old)
+    _on_trial(pilot, old, {}, 0.1, new_step)
+    assert (pilot.choice.chosen == {}) == kept and (pilot.choice.chosen == old) == (not kept)
+
+
+def test_the_trial_state_machine():
+    """probation.judge: a codec trial that sends fewer bytes goes back unless faster; one that sends more, only if
+    more than TRIAL_MARGIN slower; a layout trial, if slower at all; a settling plan is never judged."""
+    from gradcompress.autopilot.probation import TRIAL_MARGIN, Choice, CodecTrial, LayoutTrial, Settling, judge
+
+    old = Choice.of({})
+    assert judge(CodecTrial(7, old, 0.1), 0.1, fewer_bytes=True).back
+    assert not judge(CodecTrial(7, old, 0.1), 0.099, fewer_bytes=True).back
+    assert not judge(CodecTrial(7, old, 0.1), 0.1 * (1 + TRIAL_MARGIN) * 0.999, fewer_bytes=False).back
+    assert judge(CodecTrial(7, old, 0.1), 0.1 * (1 + TRIAL_MARGIN) * 1.001, fewer_bytes=False).back
+    assert judge(LayoutTrial(7, old, 0.1), 0.1001, fewer_bytes=False).back
+    verdict = judge(Settling(7, old), 5.0, fewer_bytes=True)
+    assert not verdict.back and verdict.kept == 5.0
+    assert judge(CodecTrial(7, old, 0.1), 0.0, fewer_bytes=True).back is False  # unmeasured: nothing to judge
 
 
 def test_calibration_cache_runs_nothing_the_second_time(tmp_path, monkeypatch):
@@ -156,20 +187,20 @@ def test_calibration_cache_runs_nothing_the_second_time(tmp_path, monkeypatch):
     file = tmp_path / "cal.json"
     monkeypatch.setenv(calibration.ENV, str(file))
     config = Config.parse("auto", {})
-    first = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache())
+    first = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache.at())
     assert len(runs) == 2 * len(SHAPES) * len(config.auto.candidates) and file.exists()
     runs.clear()
-    again = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache())
+    again = record(config, 4, _buckets(), config.auto.candidates, calibration.Cache.at())
     assert runs == [] and again == first
-    record(config, 8, _buckets()[:1], config.auto.candidates, calibration.Cache())  # another world: measured
+    record(config, 8, _buckets()[:1], config.auto.candidates, calibration.Cache.at())  # another world: measured
     assert len(runs) == 2 * len(config.auto.candidates)
     runs.clear()
     other = Config.parse("auto:min_numel=16", {})
-    record(other, 4, _buckets()[:1], other.auto.candidates, calibration.Cache())
+    record(other, 4, _buckets()[:1], other.auto.candidates, calibration.Cache.at())
     assert len(runs) == 2 * len(other.auto.candidates)
     monkeypatch.setenv(calibration.ENV, "off")
     assert calibration.path() is None
-    off = calibration.Cache()
+    off = calibration.Cache.at()
     record(config, 4, _buckets(), config.auto.candidates, off)
     assert off.file is None and len(off.entries) == len(SHAPES) * len(config.auto.candidates)
 
@@ -180,11 +211,11 @@ def test_calibration_cache_unreadable_is_measured_again(tmp_path, monkeypatch):
     file = tmp_path / "cal.json"
     file.write_text("{not json")
     monkeypatch.setenv(calibration.ENV, str(file))
-    with pytest.warns(RuntimeWarning, match="calibration cache .* is unreadable"):
-        cache = calibration.Cache()
+    cache = calibration.Cache.at()
     config = Config.parse("auto", {})
-    record(config, 4, _buckets()[:1], config.auto.candidates, cache)
-    assert len(calibration.Cache().entries) == len(config.auto.candidates)  # replaced by a readable file
+    with pytest.warns(RuntimeWarning, match="calibration cache .* is unreadable"):
+        record(config, 4, _buckets()[:1], config.auto.candidates, cache)
+    assert len(calibration.Cache.at().entries) == len(config.auto.candidates)  # replaced by a readable file
 
 
 def test_allocation_within_the_error_budget_and_never_more_bytes():
@@ -215,14 +246,15 @@ def test_critical_regime_from_the_gradient_norm():
     """Accordion's detector: a check whose gradient norm moved by more than ``critical`` (relative) from the last
     check's enters a critical regime; one that moved less leaves it; each change counted. In it, choose() keeps
     to the allowed candidates (int4 left out of ``safe``)."""
-    from gradcompress.autopilot import Autopilot
-    from gradcompress.session import Session
-    from gradcompress.state import State
+    from gradcompress.autopilot.policy import Regime
 
     config = Config.parse("auto", {})
-    pilot = Autopilot(config, State(), Session(config))
-    assert [pilot._regime(n) for n in (1.0, 1.2, 2.0, 2.1, 2.2)] == [False, False, True, True, False]
-    assert pilot.critical is False and pilot.regimes == 2 and pilot.norms == [2.1, 2.2]
+    regime, seen = Regime(), []
+    for norm in (1.0, 1.2, 2.0, 2.1, 2.2):
+        regime = regime.observe(norm, config.auto.critical)
+        seen.append(regime.critical)
+    assert seen == [False, False, True, False, False]
+    assert regime.critical is False and regime.changes == 2 and regime.norms == (2.1, 2.2)
     assert config.auto.critical_candidates == ("none", "bf16", "int8")
     options = record(config, 4, _buckets(), config.auto.candidates)
     slow = Link(payload_bandwidth(1e6), 1e-4)
@@ -248,39 +280,32 @@ def test_a_critical_regime_compresses_less_and_replicas_stay_equal():
 def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
     """After a trial sent a plan back, a moved measurement clears that memory only if the link got slower or the
     compute faster by more than MOVED (25 %): a fast link's probe reading faster must not bring the plan back."""
-    from gradcompress.autopilot import Autopilot
-    from gradcompress.session import Session
-    from gradcompress.state import State
+    from gradcompress.autopilot.policy import Basis, favours_compression
 
-    config = Config.parse("auto", {})
-    pilot = Autopilot(config, State(), Session(config))
-    pilot.basis, pilot.fitted = (0.1, 1e8, 1e-4), (1.0, 1.0)
-    assert pilot._favours_compression(0.1, 0.7e8) and pilot._favours_compression(0.07, 1e8)
-    assert not pilot._favours_compression(0.1, 1.5e8) and not pilot._favours_compression(0.14, 1e8)
-    assert not pilot._favours_compression(0.1, 0.8e8)  # within 25 %
+    basis = Basis(0.1, 1e8, 1e-4)
+
+    def favours(compute, bandwidth):
+        return favours_compression(basis, 1.0, compute, bandwidth)
+
+    assert favours(0.1, 0.7e8) and favours(0.07, 1e8)
+    assert not favours(0.1, 1.5e8) and not favours(0.14, 1e8)
+    assert not favours(0.1, 0.8e8)  # within 25 %
 
 
 def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():
     """Without a hint the link is probed at the first check, then only when the current plan's step time moved by
     more than MOVED since the last probe, or after PROBE_EVERY checks; in between the last probe's numbers stand and
     nothing is sent."""
-    from gradcompress.autopilot import PROBE_EVERY, Autopilot
+    from gradcompress.autopilot import PROBE_EVERY
     from gradcompress.collectives import LocalCollectives
-    from gradcompress.session import Session
-    from gradcompress.state import State
 
-    config = Config.parse("auto", {})
-    pilot = Autopilot(config, State(), Session(config))
-    pilot.buckets = _buckets()
-    pilot.costs = record(config, 4, pilot.buckets, config.auto.candidates)
+    pilot = _pilot()
     probes = []
     pilot.meter.link = lambda comm, traffic, device: probes.append(traffic) or (1e8 + len(probes), 1e-4)
     comm, cpu = LocalCollectives(1), torch.device("cpu")
 
     def check(step_s):
-        link = pilot._link(comm, cpu, step_s)
-        pilot.last = {"bandwidth": link[0], "alpha": link[1]}
-        return link
+        return pilot._link(comm, cpu, step_s)
 
     assert check(0.1) == (1e8 + 1, 1e-4) and len(probes) == 1
     assert [check(s) for s in (0.11, 0.09, 0.12)] == [(1e8 + 1, 1e-4)] * 3 and len(probes) == 1
@@ -292,13 +317,22 @@ def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():
     assert len(probes) == 3  # every PROBE_EVERY checks anyway
 
 
-def test_choose_keeps_within_the_budget():
-    config = Config.parse("auto", {})
-    options = record(config, 4, _buckets(), config.auto.candidates)
-    assert [o.spec for o in options[0]] == ["none", "bf16", "int8", "int4"]
-    sizes = [1, 1, 1]
-    choice, _, _ = choose(options, sizes, Link(payload_bandwidth(1e6), 1e-4), 0.05, overlap=1.0)
-    assert {options[0][c].spec for c in choice} <= {"none", "bf16", "int8", "int4"}
+@pytest.mark.parametrize("budget", ["safe", "any"])
+def test_the_decision_keeps_within_the_budget(budget):
+    """On a 1 Mbit/s link the decision compresses every bucket as much as its budget allows: ``safe`` only ever
+    picks among dense, bf16, int8, int4 (int4 here), ``any`` picks codecs ``safe`` leaves out (PowerSGD, sign,
+    top-k), which cut more bytes."""
+    from gradcompress.autopilot.policy import Check, decide
+    from gradcompress.autospec import BUDGETS
+
+    pilot = _pilot(f"auto:budget={budget}")
+    cands = pilot.options.candidates
+    check = Check(3, 0.05, 0.0, payload_bandwidth(1e6), 1e-4, tuple((0.0,) * len(cands) for _ in SHAPES))
+    chosen = set(decide(check, pilot._context()).chosen.values())
+    if budget == "safe":
+        assert chosen == {"int4"}
+    else:
+        assert chosen and not chosen <= set(BUDGETS["safe"]), chosen
 
 
 # ---------------------------------------------------------------------------- real processes
@@ -475,3 +509,24 @@ def test_gpu_check_script_runs_here():
     assert set(sections["auto_calibration"]["codec_ms"]) == set(gradcompress.config.autospec.BUDGETS["any"])
     assert sections["replicas_equal_every_step"] is True
     assert [r["steps"] for r in sections["ddp_gloo_world2"]] == [6, 6]
+
+
+def test_the_calibration_key_follows_the_librarys_source(monkeypatch, tmp_path):
+    """The cache key covers a hash of the library's own source files (not the version string, which stays 0.1.0
+    through every change): another source is a miss; the location is decided once, from ``auto:cache=`` first."""
+    from gradcompress.autopilot import Autopilot, calibration
+    from gradcompress.session import Session
+    from gradcompress.state import State
+
+    config = Config.parse("auto", {})
+    seen = _buckets()[0]
+    before = calibration.key(config, 4, seen, "int8")
+    assert len(calibration.source_hash()) == 16
+    monkeypatch.setattr(calibration, "source_hash", lambda: "another-source")
+    assert calibration.key(config, 4, seen, "int8") != before
+    given = Config.parse(f"auto:cache={tmp_path / 'mine.json'}", {})
+    assert Autopilot(given, State(), Session(given)).costs.cache.file == str(tmp_path / "mine.json")
+    monkeypatch.setenv(calibration.ENV, str(tmp_path / "env.json"))
+    assert Autopilot(config, State(), Session(config)).costs.cache.file == str(tmp_path / "env.json")
+    off = Config.parse("auto:cache=off", {})
+    assert Autopilot(off, State(), Session(off)).costs.cache.file is None

@@ -16,7 +16,7 @@ import core_workers
 import gradcompress
 from gradcompress import make
 from gradcompress.testbed import launch
-from gradcompress.collectives import LocalCollectives, Running
+from gradcompress.collectives import LocalCollectives, Running, Stopwatch
 from gradcompress.schedule import Plan
 
 SPECS = ["none", "fp16", "int8", "int4", "topk:ratio=0.1", "powersgd:rank=2", "sign"]
@@ -117,7 +117,7 @@ def test_an_int8_ddp_bucket_resumes_through_three_generator_levels():
     grads = [buffer[:3072].view(64, 48), buffer[3072:4608].view(48, 32), buffer[4608:]]
     probe = _Probe(4)
     step = comp.begin_step(probe)
-    running = Running(step.exchange([0, 1, 2], grads, buffer), step)
+    running = Running(step.exchange([0, 1, 2], grads, buffer), Stopwatch())
     while running.works is not None:
         running.advance(probe)
     step.end()

@@ -223,7 +223,7 @@ def test_compressor_options_are_the_compressors_keywords():
     params = inspect.signature(gradcompress.Compressor.__init__).parameters
     # the keywords that take objects (a group, a callable, state mappings) are not options of a spec string
     keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {
-        "process_group", "divisor", "slots"}
+        "process_group", "divisor", "slots", "coordinator"}
     assert set(sc.COMPRESSOR_OPTIONS) == keywords
     assert set(sc.SCHEME_COMPRESSOR_OPTIONS) < set(sc.COMPRESSOR_OPTIONS)
 

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from gradcompress.integrations import torchft as gft  # noqa: E402
+from gradcompress.quorum import shared_state  # noqa: E402
 from gradcompress.testbed.faults import data, digest, make_manager, model, rendezvous, replica_main, wait_for  # noqa: E402,E501
 
 
@@ -97,11 +98,11 @@ def group_replica(cfg):
         before = digest([p.grad for p in net.parameters()])
         comp.synchronize(net.parameters())
         after = digest([p.grad for p in net.parameters()])
-        silent = comp.held[-1].silent
+        silent = comp.coordinator.held[-1].silent
         optimizer.step()
         log.write(json.dumps({"replica": cfg["replica"], "group_rank": g, "step": step, "committed": manager.current_step() > step, "participants":
                               manager.num_participants(), "params": digest(net.parameters()),
-                              "state_step": comp.state.step, "grads": [before, after], "rank": comp.collectives.rank, "silent": silent}) + "\n")
+                              "state_step": comp.state_dict()["step"], "grads": [before, after], "rank": comp.coordinator.comm.rank, "silent": silent}) + "\n")
         log.flush()
     manager.shutdown(wait=False)
 
@@ -118,12 +119,12 @@ def blocked_replica(cfg):
     def read():
         time.sleep(1.0)
         times = {}
-        for name, fn in (("state_dict", comp.state_dict), ("shared_state_dict", comp.shared_state_dict),
+        for name, fn in (("state_dict", comp.state_dict), ("shared_state_dict", lambda: shared_state(comp)),
                          ("stats", comp.stats)):
             start = time.time()
             fn()
             times[name] = time.time() - start
-        times["waiting"] = comp.current_step is None and not comp.held  # the step has not begun: inside the wait
+        times["waiting"] = comp.current_step is None and not comp.coordinator.held  # the step has not begun: inside the wait
         with open(cfg["log"], "a") as f:
             f.write(json.dumps(times) + "\n")
         os._exit(0)

@@ -22,6 +22,9 @@
   speed: it is not tried against the old plan's step time.
 * ``every=N`` (default 20): the autopilot re-measures every N steps and re-decides when the link rate or the compute
   time moved by more than 25 % since its last decision.
+* ``cache=PATH|off`` (default: ``$GRADCOMPRESS_CACHE``, else the user's cache directory): where the codecs'
+  calibration is kept between runs (:mod:`gradcompress.autopilot.calibration`); not part of the configuration text
+  (each machine may keep its own).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ BUDGETS = {
 }
 #: the codecs a budget leaves out in a critical regime (``critical=``)
 CRITICAL_DROPS = {"safe": ("int4",), "any": ("powersgd:rank=4", "powersgd:rank=1", "sign", "topk:ratio=0.01")}
-OPTIONS = ("bandwidth", "budget", "every", "allocate", "critical")
+OPTIONS = ("bandwidth", "budget", "every", "allocate", "critical", "cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Auto:
     every: int = 20
     allocate: bool = False
     critical: float = 0.5
+    cache: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -86,7 +90,10 @@ def parse(options: dict) -> Auto:
     critical = options.get("critical", 0.5)
     if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not critical >= 0:
         raise ValueError(f"auto: critical must be a number >= 0 (0: off), got {critical!r}")
-    return Auto(rate, budget, every, allocate, float(critical))
+    cache = options.get("cache")
+    if cache is not None and (not isinstance(cache, str) or not cache.strip()):
+        raise ValueError(f"auto: cache must be a file path or off, got {cache!r}")
+    return Auto(rate, budget, every, allocate, float(critical), cache)
 
 
 __all__ = ["Auto", "BUDGETS", "CRITICAL_DROPS", "OPTIONS", "parse"]

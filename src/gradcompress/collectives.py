@@ -204,11 +204,21 @@ def one_job(jobs: list[Job]) -> Job:
     return parallel(jobs)
 
 
+class Stopwatch:
+    """Seconds added up (a step's time in its exchanges' own code: encode, decode, state updates)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
 class Running:
     """A launched job: made from a job, it runs the job to its first round (whose collectives are then in flight).
 
-    :meth:`advance` waits for them and runs the job to its next round. ``timer``: an object whose
-    ``codec_seconds`` receives the time spent in the job's own code (encode, decode, state updates)."""
+    :meth:`advance` waits for them and runs the job to its next round. ``timer``: a :class:`Stopwatch` that
+    receives the time spent in the job's own code (encode, decode, state updates)."""
 
     def __init__(self, job: Job, timer=None):
         self.job, self.timer = job, timer
@@ -223,7 +233,7 @@ class Running:
         except StopIteration:
             self.works = None
         if self.timer is not None:
-            self.timer.codec_seconds += time.perf_counter() - start
+            self.timer.add(time.perf_counter() - start)
 
     def advance(self, comm: "Collectives") -> None:
         if self.works is None:
@@ -354,6 +364,7 @@ class RecordingCollectives(LocalCollectives):
         root.issued = []
 
 
-__all__ = ["Collectives", "Done", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running", "drive",
+__all__ = ["Collectives", "Done", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running", "Stopwatch",
+           "drive",
            "finish", "floats", "from_bytes", "layout", "nbytes", "one_job", "parallel", "to_bytes"]
 

@@ -7,8 +7,8 @@
   residuals, PowerSGD factors, momentum, the schedule position, keyed by parameter position or group name, never
   by DDP bucket), its checkpoints and counters.
 
-The work of a step is done by :class:`gradcompress.step.Step`, which :meth:`Compressor.begin_step` opens with the
-step's plan (key -> codec); every adapter (DDP hook, ``synchronize``, FSDP, 1-bit Adam, DiLoCo) uses that protocol.
+A step (:class:`gradcompress.step.Step`) runs on the terms its **coordinator** sets (:mod:`gradcompress.terms`:
+the codec and schedule, ``"auto"``'s measured plan, or a quorum's); every adapter uses that protocol.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from typing import Callable, Iterable
 
 import torch
 
-from .autopilot import Autopilot
+from .autopilot import coordinator_for
 from .collectives import Collectives, LocalCollectives
 from .config import DEFAULTS, Config
 from .exchanges.hierarchical import Hierarchy
 from .monitor import Telemetry
 from .params import check_same_parameters
-from .schedule import Plan, plan_at
+from .schedule import Plan
 from .session import Session
 from .state import FSDP_KEY_PREFIX, State
 from .step import Step
+from .terms import Coordinator
 
 _UNSET = object()  # an option not given as a keyword
 _OLD_COLLECTIVE = " collective=auto"  # saved with a ``collective`` option that no longer exists: read without it
@@ -46,18 +47,20 @@ class Compressor:
             workers passes its count).
         slots: per-key state mappings an optimizer owns (1-bit Adam's per-parameter state), used in place of the
             Compressor's own.
+        coordinator: a callable making the coordinator of the steps from the Compressor (:mod:`gradcompress.terms`;
+            :func:`gradcompress.quorum.under`: a torchft Manager's quorum).
     """
 
     def __init__(self, spec, *, process_group=None, error_feedback=_UNSET, server_error_feedback=_UNSET,
                  momentum=_UNSET, warmup_steps=_UNSET, min_numel=_UNSET, seed=_UNSET, schedule=_UNSET,
                  ramp_steps=_UNSET, residual_dtype=_UNSET, monitor_every=_UNSET, topology=_UNSET, intra_node=_UNSET,
-                 divisor: Callable[[], int] | None = None, slots: dict | None = None):
+                 divisor: Callable[[], int] | None = None, slots: dict | None = None, coordinator=None):
         given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not _UNSET}
         self.options = Config.parse(spec, given)
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.options.name})"  # DDP logs hook names
         self.session = Session(self.options, process_group, divisor)
         self.state = State(slots)
-        self.autopilot = Autopilot(self.options, self.state, self.session) if self.options.auto else None  # "auto"
+        self.coordinator: Coordinator = (coordinator or coordinator_for)(self)
         self.telemetry = Telemetry(self.options.error_feedback)
         #: per-key scratch buffers reused every step (the error-fed input), not part of the state
         self.workspace: dict = {}
@@ -81,8 +84,7 @@ class Compressor:
         return self.session.group
 
     @property
-    def hierarchy(self) -> Hierarchy | None:
-        """The hierarchical exchange's collectives (None: flat), known from the first step."""
+    def hierarchy(self) -> Hierarchy | None:  # the hierarchical exchange's collectives (None: flat), from the first step
         return self.session.hierarchy
 
     @property
@@ -96,38 +98,43 @@ class Compressor:
         return self.state.slots["server_residual"]
 
     @property
-    def current_step(self) -> Step | None:
-        """The open step, or None."""
+    def autopilot(self):
+        """``"auto"``'s coordinator (:class:`gradcompress.autopilot.Autopilot`), else None."""
+        return self.coordinator if self.coordinator.name == "auto" else None
+
+    @property
+    def current_step(self) -> Step | None:  # the open step, or None
         return self._step if self._step is not None and self._step.open else None
 
     # ------------------------------------------------------------------ the step protocol
     def step(self, collectives: Collectives | None = None, **options) -> Step:
-        """:meth:`begin_step`, to use as ``with compressor.step() as step:`` (commit on a clean exit, rollback on an
-        exception; see :mod:`gradcompress.step`)."""
+        """:meth:`begin_step` for ``with compressor.step() as step:`` (commit on a clean exit, else rollback)."""
         return self.begin_step(collectives, **options)
 
     def begin_step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
-                   should_commit: Callable[[], bool] | None = None, deferred: bool = False, silent: bool = False):
-        """Open a step on the process group (or ``collectives``, e.g. ``LocalCollectives(1)`` without
-        ``torch.distributed``). ``plan``: the step's key -> codec (default: the codec, warm-up and schedule at this
-        position); ``should_commit``: an outside decision asked at the step's end on every rank: the new state
-        commits only if it agrees and every rank was finite; ``deferred``: that decision comes later, through
-        ``Step.decide``; ``silent``: this rank sends zeros (:class:`~gradcompress.step.Step`)."""
+                   should_commit: Callable[[], bool] | None = None, deferred: bool | None = None,
+                   silent: bool | None = None):
+        """Open a step on the group (or ``collectives``, e.g. ``LocalCollectives(1)``) on the coordinator's terms;
+        the keywords set this step's (:class:`~gradcompress.terms.Terms`: ``plan``, an outside decision
+        ``should_commit`` asked at its end, or ``deferred`` to ``Step.decide``; ``silent``: sends zeros)."""
         if self.current_step is not None:
             raise RuntimeError("gradcompress: a step of this compressor is still open; end() or abort() it first")
-        session = self.session
-        comm = session.open(collectives)
+        coordinator, session = self.coordinator, self.session
+        coordinator.settle()
+        comm = session.open(collectives or coordinator.collectives())
         self._reconcile_world(comm.world)
-        session.resolve()
-        session.check_topology(self._pending.pop("topology", None))
-        auto, i = self.autopilot, self.state.step
-        if plan is None:
-            plan = auto.plan_for(self._step, comm, i) if auto else plan_at(self.options, i)
-        step = self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, plan,
-                                 should_commit, deferred=deferred, silent=silent)
-        if auto is not None:
-            auto.opened(step)  # what the autopilot measures inside the step
-        return step
+        if coordinator.checks_group:
+            session.resolve()
+            session.check_topology(self._pending.pop("topology", None))
+        given = dict(plan=plan, should_commit=should_commit, deferred=deferred, silent=silent)
+        terms = coordinator.override(coordinator.open(comm, self.state.step),
+                                     {k: v for k, v in given.items() if v is not None})
+        if terms.new_group:  # the chunk owners of the two-step reduce changed: their residuals restart
+            self.state.forget(["server_residual"], list(self.state.slots["server_residual"]))
+        self.state.step = terms.index
+        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, terms,
+                          coordinator.closed)
+        return self._step
 
     def bind(self, group) -> "Compressor":
         """Average over ``group`` (an adapter's: the DDP model's, FSDP's); ``ValueError`` if another was given."""
@@ -161,13 +168,15 @@ class Compressor:
         entries = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
         if any(g.is_sparse for _, g in entries):
             raise ValueError("Compressor.synchronize: sparse gradients are not supported")
+        entries = self.coordinator.mine(entries)
         with self.step(collectives) as step:
-            if not self.session.params_checked:
+            if not self.session.params_checked and self.coordinator.checks_group:
                 if not isinstance(step.comm, LocalCollectives):
                     check_same_parameters(params, step.comm.group)
                 self.session.params_checked = True
             step.drive([step.exchange([k for k, _ in entries], [g for _, g in entries])])
-        return step.committed
+        self.coordinator.share(params)
+        return step.committed if step.committed is not None else bool(step.finite)
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
@@ -180,21 +189,13 @@ class Compressor:
         waiting on collectives; ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent
         between nodes / inside a node; ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and
         ``kind``; ``param_bytes``: bytes of FSDP's compressed parameter all-gathers, apart from ``wire_bytes``;
-        ``monitor_bytes`` and ``monitor``: telemetry's (``monitor_every``) and the autopilot's measuring;
-        ``auto`` (``"auto"`` only): the autopilot's decision and measurements (:meth:`Autopilot.stats`).
+        ``monitor_bytes`` and ``monitor``: telemetry's (``monitor_every``) and ``"auto"``'s measuring; ``auto``
+        (``"auto"`` only): its decision and measurements.
         """
-        inter, intra, monitor = self.session.bytes()
-        totals, comm = self.state.totals, self.session.comm
-        wire, raw = inter + intra, totals["raw_bytes"]
-        return {
-            "steps": totals["steps"], "skipped": totals["skipped"], "raw_bytes": raw, "wire_bytes": wire,
-            "ratio": raw / wire if wire else float("inf") if raw else 1.0,
-            "codec_seconds": totals["codec_seconds"], "comm_seconds": comm.comm_seconds if comm else 0.0,
-            "monitor_bytes": monitor, "monitor": self.telemetry.stats(),
-            "inter_node_bytes": inter, "intra_node_bytes": intra, "topology": self.session.topology_stats(),
-            "param_bytes": totals["param_bytes"],
-            **({"auto": self.autopilot.stats()} if self.autopilot else {}),
-        }
+        coordinator = self.coordinator
+        coordinator.settle()
+        own = {coordinator.name: coordinator.stats()} if coordinator.name else {}
+        return {**self.session.stats(self.state.totals), "monitor": self.telemetry.stats(), **own}
 
     def count_param_bytes(self, sent: int) -> None:
         """Add bytes sent by compressed parameter all-gathers (FSDP's ``params=``) to ``stats()["param_bytes"]``."""
@@ -206,9 +207,10 @@ class Compressor:
         ``world``: the size of the group the state was made in; :meth:`load_state_dict` compares it with the group
         it resumes in. ``topology`` (only when the exchange is hierarchical, ``"NxG intra_node=..."``): loading it
         under another topology is an error. Reads nothing from the group (safe from any thread)."""
-        session, auto = self.session, self.autopilot
+        session, coordinator = self.session, self.coordinator
+        coordinator.settle()
         extra = {"topology": session.topology_text()} if session.hierarchy is not None else {}
-        extra.update({"auto": auto.state_dict()} if auto else {})
+        extra.update({coordinator.name: coordinator.state_dict()} if coordinator.name else {})
         world = self._pending.get("world") or session.world()
         return {"config": self.config(), "world": world, **extra, **self.state.state_dict()}
 
@@ -222,25 +224,23 @@ class Compressor:
             raise ValueError(f"Compressor.load_state_dict: the checkpoint was made with {state.get('config')!r}, "
                              f"this compressor is {self.config()!r}")
         world = state.get("world")
-        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
-            raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")
-        self.state.load_state_dict(state)
-        if self.autopilot:
-            self.autopilot.load_state_dict(state.get("auto", {}))
+        self.state.load_state_dict(state, world)
+        coordinator = self.coordinator
+        if coordinator.name:
+            coordinator.load_state_dict(state.get(coordinator.name, {}))
         self._pending.update(world=world, topology=state.get("topology", "flat"))
         if self.session.comm is not None:
             self._reconcile_world(self.session.comm.world)
         if self.session.resolved:
             self.session.check_topology(self._pending.pop("topology", None))
 
-    def _reconcile_world(self, world: int) -> None:
+    def _reconcile_world(self, world: int) -> None:  # a loaded state's world size meets the group's
         saved = self._pending.pop("world", None)
         if saved is not None and self.state.resize(saved, world):
             self.workspace.clear()
 
-    def explain(self) -> str:
-        """``"auto"``: what the autopilot measured and why each bucket got its codec (else: the codec's spec)."""
-        return self.autopilot.explain() if self.autopilot else f"{self.codec.spec}: chosen by the user"
+    def explain(self) -> str:  # "auto": what it measured and why each bucket got its codec (else: the codec's spec)
+        return self.coordinator.explain() or f"{self.codec.spec}: chosen by the user"
 
     def config(self) -> str:
         """Every option that changes what is sent or computed, as one line (compared across ranks)."""

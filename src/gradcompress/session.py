@@ -175,8 +175,7 @@ class Session:
             else:
                 moved, gone = to_whole(parts, me, values, shapes), [piece_key(k, me, parts) for k in shapes]
             state.forget((slot,), gone)
-            for k, v in moved.items():
-                values[k] = v if k not in values else values[k] + v
+            state.add(slot, moved)
         state.forget(("server_residual",), list(state.slots["server_residual"]))
 
     # ---------------------------------------------------------------- what it sent
@@ -190,6 +189,16 @@ class Session:
         if self.nodes is not None and len(self.nodes) == 1:
             return 0, flat, monitor
         return flat, 0, monitor
+
+    def stats(self, totals: dict) -> dict:
+        """``Compressor.stats()``'s counters: the state's ``totals`` with what this session's collectives sent."""
+        inter, intra, monitor = self.bytes()
+        wire, raw = inter + intra, totals["raw_bytes"]
+        return {"steps": totals["steps"], "skipped": totals["skipped"], "raw_bytes": raw, "wire_bytes": wire,
+                "ratio": raw / wire if wire else float("inf") if raw else 1.0,
+                "codec_seconds": totals["codec_seconds"], "comm_seconds": self.comm.comm_seconds if self.comm else 0.0,
+                "monitor_bytes": monitor, "inter_node_bytes": inter, "intra_node_bytes": intra,
+                "topology": self.topology_stats(), "param_bytes": totals["param_bytes"]}
 
     def topology_text(self) -> str:
         """The resolved topology as a checkpoint records it (``"flat"``, or ``"NxG intra_node=..."``)."""

@@ -49,13 +49,14 @@ class State:
     def get(self, slot: str, key: Hashable):
         return self.slots[slot].get(key)
 
-    def commit(self, new: dict) -> None:
+    def commit(self, new: dict, index: int | None = None) -> None:
+        """Assign a step's new states; the schedule position moves past step ``index`` (default: the current)."""
         for (slot, key), value in new.items():
             old = self.slots[slot].get(key)
             if slot in RECYCLED and old is not None and old is not value and _same_layout(old, value):
                 self.spare[slot, key] = old  # nothing else holds it: it becomes the next new residual's buffer
             self.slots[slot][key] = value
-        self.step += 1
+        self.step = (self.step if index is None else index) + 1
 
     def count(self, committed: bool | None, raw_bytes: int, codec_seconds: float) -> None:
         """Add a closed step to the totals (``committed`` None: aborted, not counted as a step)."""
@@ -79,13 +80,28 @@ class State:
                 self.slots[slot].pop(key, None)
                 self.spare.pop((slot, key), None)
 
+    def add(self, slot: str, values: dict) -> None:
+        """Add ``values`` (key -> tensor) to ``slot``: to what the key holds, or as its value (a layout switch moves
+        residuals between keys, ``Session.relayout``)."""
+        held = self.slots[slot]
+        for k, v in values.items():
+            held[k] = v if k not in held else held[k] + v
+
     def state_dict(self) -> dict:
         out = {"step": self.step}
         for name, values in self.slots.items():
             out[name] = {str(k): v.clone() for k, v in values.items()}
         return out
 
-    def load_state_dict(self, state: dict) -> None:
+    def shared_state_dict(self) -> dict:
+        """:meth:`state_dict` without the per-rank slots (:data:`PER_RANK_SLOTS`: empty): what a replica that
+        rejoins receives from a peer (the schedule position, PowerSGD's factors, momentum)."""
+        return {**self.state_dict(), **{slot: {} for slot in PER_RANK_SLOTS}}
+
+    def load_state_dict(self, state: dict, world=None) -> None:
+        """Take a :meth:`state_dict` (``world``: the world size it says it was saved with, checked)."""
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")
         self.spare = {}
         self.step = int(state["step"])
         for name in SLOTS:

@@ -35,15 +35,17 @@ Host synchronisations the algorithm needs (and no others on this path): the fini
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
-from .collectives import Job, Running, drive, finish, one_job
+from .collectives import Job, Running, Stopwatch, drive, finish, one_job
 from .exchanges.context import QUIET_SLOTS, Context, all_finite, key_number, mix_seed
 from .monitor import StepMonitor
 from .schedule import Plan
 from .state import SLOTS, State
+from .terms import Terms
 
 #: the state a silent step (a replica being healed) commits: what every rank computes alike from the collectives
 SHARED_SLOTS = ("q", "p")
@@ -62,47 +64,80 @@ class Seen(NamedTuple):
     scale: float = 1.0
 
 
+class StepRecord(NamedTuple):
+    """What a step did, published at its end (:attr:`Step.record`), immutable: what a coordinator reads.
+
+    ``committed``: True/False once decided, None while a deferred step waits or after an abort; ``finite``: every
+    rank's inputs were finite (None: the step did not end); ``seen``: each group of tensors it averaged
+    (:class:`Seen`); ``overlapped``: a job was launched early (the DDP hook: the exchange overlapped the backward
+    pass); ``raw_bytes``: the gradients' own size; ``codec_seconds``: time in the exchanges' own code; ``sample``
+    (where the terms asked): key -> a copy of each exchanged tensor as given (read-only mapping); ``norm_sq``
+    (where asked): the sum of their squared norms, a float64 tensor on their device (one host sync to read)."""
+
+    index: int
+    plan: Plan
+    committed: bool | None
+    finite: bool | None
+    seen: tuple
+    overlapped: bool
+    raw_bytes: int
+    codec_seconds: float
+    silent: bool
+    sample: object = None
+    norm_sq: torch.Tensor | None = None
+
+
 class Step:
     """One step of a :class:`~gradcompress.Compressor` (made by ``Compressor.step()`` / ``begin_step()``).
 
-    ``plan`` is this step's key -> codec (``codec``: its default, None on a dense warm-up step); ``comm`` the
-    collectives it issues; ``ctx`` the context its exchanges write through; ``should_commit``: an outside decision,
-    called once at the end on every rank (it may be a collective). See the module docstring for the lifecycle.
+    ``terms``: what this step does (:class:`~gradcompress.terms.Terms`: its index, plan, divisor, silent,
+    commit decision); ``plan`` is its key -> codec (``codec``: its default, None on a dense warm-up step); ``comm``
+    the collectives it issues; ``ctx`` the context its exchanges write through; ``closed``: called with the step
+    whenever its outcome changes (ended, decided, aborted), e.g. the coordinator's. See the module docstring for the
+    lifecycle. Nothing outside this module assigns a step's attributes; what it measured is :attr:`record`.
     """
 
-    def __init__(self, config, session, state: State, telemetry, workspace: dict, plan: Plan,
-                 should_commit: Callable[[], bool] | None = None, *, deferred: bool = False, silent: bool = False):
-        self.session, self.state, self.telemetry, self.plan = session, state, telemetry, plan
+    def __init__(self, config, session, state: State, telemetry, workspace: dict, terms: Terms,
+                 closed: Callable[["Step"], None] | None = None):
+        self.session, self.state, self.telemetry, self.terms = session, state, telemetry, terms
+        self.plan = terms.plan
         self.comm = session.comm
-        self.index = state.step
-        self.codec = plan.default
+        self.index = terms.index
+        self.codec = self.plan.default
+        divisor = session.divisor() if terms.divisor is None else terms.divisor
         self.ctx = Context(state, workspace, config.seed, self.index, self.comm.rank, config.residual_dtype,
-                           divisor=session.divisor())
+                           divisor=divisor)
         every = config.monitor_every
         if every > 0 and self.codec is not None and self.index % every == 0:
             self.ctx.monitor = StepMonitor(self.ctx)
         self.ctx.transforms = config.transforms(self.ctx, self.comm.world)
-        self._should_commit = should_commit
+        self._closed = closed
         #: the commit waits for :meth:`decide` (torchft: ``Manager.should_commit``, asked by the user's loop)
-        self.deferred = deferred
+        self.deferred = terms.deferred
         #: this rank takes part in the collectives but contributes zeros and reads none of its own state
         #: (:data:`QUIET_SLOTS`): a replica that torchft is healing; its new state in them is never committed
-        self.silent = self.ctx.silent = silent
+        self.silent = self.ctx.silent = terms.silent
         self.finite: bool | None = None
         self._launched: list = []
-        #: each group of tensors averaged, in order (:class:`Seen`: the autopilot's buckets)
-        self.seen: list[Seen] = []
-        self.overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
-        #: a dict: this step keeps a copy of each exchanged tensor as given (key -> tensor; the autopilot's error
-        #: measurement), None: it does not
-        self.sample: dict | None = None
-        #: a tensor: this step adds the squared norm of each exchanged tensor as given (the autopilot's regime
-        #: detector), None: it does not
-        self.norm_sq: torch.Tensor | None = None
-        self.raw_bytes = 0
-        self.codec_seconds = 0.0
+        self._seen: list[Seen] = []  # each group of tensors averaged, in order (the autopilot's buckets)
+        self._overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
+        self._sample: dict | None = {} if terms.sample else None
+        self._norm_sq: torch.Tensor | None = torch.zeros((), dtype=torch.float64) if terms.norm else None
+        self._raw_bytes = 0
+        self._codec = Stopwatch()  # time in the exchanges' own code
         self.open = True
         self.committed: bool | None = None
+
+    @property
+    def codec_seconds(self) -> float:
+        return self._codec.seconds
+
+    @property
+    def record(self) -> StepRecord:
+        """What this step did so far (:class:`StepRecord`), a snapshot."""
+        sample = None if self._sample is None else types.MappingProxyType(dict(self._sample))
+        return StepRecord(self.index, self.plan, self.committed, self.finite, tuple(self._seen), self._overlapped,
+                          self._raw_bytes, self._codec.seconds, self.silent, sample, self._norm_sq)
 
     # ---------------------------------------------------------------- exchanges
     def exchange(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
@@ -119,11 +154,11 @@ class Step:
         if self.silent:
             for t in tensors:
                 t.zero_()
-        self.seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
-        if self.sample is not None:
-            self.sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
+        self._seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
+        if self._sample is not None:
+            self._sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
         self._add_norm(tensors)
-        self.raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self._raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
         groups = self.plan.groups(keys)
         if len(groups) > 1:
             buffer = None  # the bucket's buffer holds every group's tensors: each group averages its own
@@ -139,9 +174,9 @@ class Step:
         """A compressed reduce-scatter, as a job (:mod:`gradcompress.exchanges.reduce_scatter`): ``input`` holds
         one chunk per rank; ``output`` receives this rank's chunk of the sum over ranks, times ``scale``."""
         self._require_open()
-        self.seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
+        self._seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
         self._add_norm([input])
-        self.raw_bytes += input.numel() * input.element_size()
+        self._raw_bytes += input.numel() * input.element_size()
         exchange = self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat)
         return exchange.job(self.ctx, [key], [input], [output])
 
@@ -154,16 +189,16 @@ class Step:
         exchange = self.session.replicas(self.plan.codec(key))
         if exchange is None:
             return self.exchange([key], [shard.view(-1)])
-        self.seen.append(Seen((key,), (tuple(shard.shape),), shard.device, "replicas"))
+        self._seen.append(Seen((key,), (tuple(shard.shape),), shard.device, "replicas"))
         self._add_norm([shard])
-        self.raw_bytes += shard.numel() * shard.element_size()
+        self._raw_bytes += shard.numel() * shard.element_size()
         return exchange.job(self.ctx, [key], [shard], [shard])
 
     def _add_norm(self, tensors) -> None:
-        """Add the tensors' squared norm to :attr:`norm_sq` where the step measures it."""
-        if self.norm_sq is not None:  # on the tensors' device: one host sync when the autopilot reads it
+        """Add the tensors' squared norm to the record's ``norm_sq`` where the terms ask for it."""
+        if self._norm_sq is not None:  # on the tensors' device: one host sync when the autopilot reads it
             for t in tensors:
-                self.norm_sq = self.norm_sq + torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+                self._norm_sq = self._norm_sq + torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
 
     def _require_open(self) -> None:
         if not self.open:
@@ -173,8 +208,8 @@ class Step:
     def launch(self, job: Job, done: Callable[[BaseException | None], None] | None = None) -> Running:
         """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
         (or ``done(error)`` if the step failed). Returns the launched job."""
-        running = Running(job, self)
-        self.overlapped = True
+        running = Running(job, self._codec)
+        self._overlapped = True
         self._launched.append((running, done))
         return running
 
@@ -191,7 +226,7 @@ class Step:
     def drive(self, jobs: list[Job]) -> None:
         """Run jobs to completion, round-robin, in the order given (the same on every rank); the time spent in
         their own code counts as codec time."""
-        drive(jobs, self.comm, self)
+        drive(jobs, self.comm, self._codec)
 
     # ---------------------------------------------------------------- the end
     def end(self) -> bool | None:
@@ -202,9 +237,10 @@ class Step:
         self.finite = bool(torch.stack(checks).all()) if checks else True
         self.open = False
         if self.deferred:
+            self._tell()
             return None
-        agreed = self._should_commit() if self._should_commit is not None else True
-        return self.decide(agreed)
+        should_commit = self.terms.should_commit
+        return self.decide(should_commit() if should_commit is not None else True)
 
     def decide(self, agreed: bool) -> bool:
         """The outside decision on a closed step: commit its new state if it agrees and every rank was finite
@@ -219,20 +255,26 @@ class Step:
             new = self.ctx.new
             if self.silent:
                 new = {k: v for k, v in new.items() if k[0] in SHARED_SLOTS}
-            self.state.commit(new)
-        self.state.count(commit, self.raw_bytes, self.codec_seconds)
+            self.state.commit(new, self.index)
+        self.state.count(commit, self._raw_bytes, self._codec.seconds)
         self.ctx.new, self.ctx.checks, self.committed = {}, [], commit
+        self._tell()
         return commit
 
     def abort(self, error: "BaseException | None" = None) -> None:
         """Drop the step (after an error): nothing is committed; launched jobs' ``done`` get ``error``."""
         if self.open:
-            self.state.count(None, self.raw_bytes, self.codec_seconds)
+            self.state.count(None, self._raw_bytes, self._codec.seconds)
         launched = self._launched
         self.ctx.new, self.ctx.checks, self._launched, self.open = {}, [], [], False
         for _, done in launched:
             if done is not None:
                 done(error or RuntimeError("gradcompress: the step was aborted"))
+        self._tell()
+
+    def _tell(self) -> None:
+        if self._closed is not None:
+            self._closed(self)
 
     @contextlib.contextmanager
     def guarded(self, end: bool = True):
@@ -254,4 +296,5 @@ class Step:
         return bool(self._guard.__exit__(*exc))
 
 
-__all__ = ["QUIET_SLOTS", "SHARED_SLOTS", "SLOTS", "Seen", "State", "Step", "all_finite", "key_number", "mix_seed"]
+__all__ = ["QUIET_SLOTS", "SHARED_SLOTS", "SLOTS", "Seen", "State", "Step", "StepRecord", "all_finite", "key_number",
+           "mix_seed"]

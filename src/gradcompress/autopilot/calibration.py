@@ -5,14 +5,17 @@ collectives (:func:`.decide.record`): the rounds and bytes, and the codec's time
 (the faster of two runs). The next run on the same machine, device type and library finds them here and runs
 nothing: its first decision costs a lookup.
 
-**Where**: ``$GRADCOMPRESS_CACHE`` (a file path; ``off`` turns the cache off), else
-``$XDG_CACHE_HOME/gradcompress/calibration.json``, else ``~/.cache/gradcompress/calibration.json``. One JSON object,
-entry key -> ``{"rounds": [[[kind, nbytes, sent, world, link], ...], ...], "codec_s": seconds}``.
+**Where** (decided once, when the autopilot is built): the ``auto:cache=PATH`` option (``off``: no cache), else
+``$GRADCOMPRESS_CACHE`` (a file path; ``off`` turns the cache off), else
+``$XDG_CACHE_HOME/gradcompress/calibration.json``, else ``~/.cache/gradcompress/calibration.json``. The file is read
+once, at the first decision. One JSON object, entry key -> ``{"rounds": [[[kind, nbytes, sent, world, link], ...],
+...], "codec_s": seconds}``.
 
 **What a key covers** (a hash of all of it): the machine (CPU model and flags, or the CUDA device's name and
-capability), the torch and gradcompress versions, torch's thread count, the candidate's spec, the bucket's shapes
-and kind, the group's size and the Compressor's configuration (error feedback, ``min_numel``, residual dtype). A
-change of any of these is a miss, measured and added.
+capability), torch's version, a hash of the library's own source (any change of the code is a miss, whatever the
+version string says), torch's thread count, the candidate's spec, the bucket's shapes and kind, the group's size
+and the Compressor's configuration (error feedback, ``min_numel``, residual dtype). A change of any of these is a
+miss, measured and added.
 
 Every rank reads and writes the same file on a machine; a write replaces the file atomically (a rank's entries may
 be lost to another's write at the same moment, never half-written). An unreadable file is ignored (and replaced at
@@ -21,10 +24,11 @@ the next write) with a warning; an unwritable one leaves the cache in memory for
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import importlib.metadata
 import json
 import os
+import pathlib
 import platform
 import tempfile
 import warnings
@@ -36,9 +40,9 @@ from ..collectives import Issued
 ENV = "GRADCOMPRESS_CACHE"
 
 
-def path() -> str | None:
-    """The cache file, or None when ``GRADCOMPRESS_CACHE=off``."""
-    given = os.environ.get(ENV)
+def path(option: str | None = None) -> str | None:
+    """The cache file: ``option`` (the ``auto:cache=`` option) if given, else from the environment; None: off."""
+    given = option or os.environ.get(ENV)
     if given:
         return None if given.strip().lower() == "off" else given
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -64,14 +68,18 @@ def machine(device) -> str:
         where = f"{torch.cuda.get_device_name(device)}/{torch.cuda.get_device_capability(device)}"
     else:
         where = _cpu()
-    return f"{device.type}|{where}|torch {torch.__version__}|gradcompress {_version()}|{torch.get_num_threads()}"
+    return f"{device.type}|{where}|torch {torch.__version__}|gradcompress {source_hash()}|{torch.get_num_threads()}"
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("gradcompress")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
-        return "unknown"
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    """A hash of the library's own source files (Python and C++), read once per process."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp")):
+        h.update(str(file.relative_to(root)).encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def key(config, world: int, seen, spec: str) -> str:
@@ -82,11 +90,22 @@ def key(config, world: int, seen, spec: str) -> str:
 
 
 class Cache:
-    """The entries of the cache file (:func:`path`), read once; :meth:`put` adds and writes them back."""
+    """The entries of the cache ``file`` (None: in memory only), read once, at the first use; :meth:`put` adds and
+    writes them back. ``Cache.at(option)``: the file :func:`path` names."""
 
     def __init__(self, file: str | None = None):
-        self.file = path() if file is None else file
-        self.entries: dict = self._read(quiet=False)
+        self.file = file
+        self._entries: dict | None = None
+
+    @classmethod
+    def at(cls, option: str | None = None) -> "Cache":
+        return cls(path(option))
+
+    @property
+    def entries(self) -> dict:
+        if self._entries is None:
+            self._entries = self._read(quiet=False)
+        return self._entries
 
     def _read(self, quiet: bool) -> dict:
         """The file's entries ({} when there is none or it is unreadable: a warning unless ``quiet``)."""
@@ -135,4 +154,4 @@ class Cache:
                           "this run only", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["Cache", "ENV", "key", "machine", "path"]
+__all__ = ["Cache", "ENV", "key", "machine", "path", "source_hash"]

@@ -39,6 +39,7 @@ from ..session import Session
 from ..spec import make
 from ..state import State
 from ..step import Step
+from ..terms import Terms
 from ..timing import BACKWARD_SHARE, BucketWork, Round, round_seconds, simulate_step
 from .calibration import Cache, key as cache_key
 
@@ -110,7 +111,7 @@ def _run_once(config, world: int, seen, flat: torch.Tensor, codec) -> tuple[tupl
     session = Session(config)
     session.open(comm)
     buffer = flat.clone()
-    step = Step(config, session, State(), Telemetry(False), {}, Plan(None if codec.exact else codec))
+    step = Step(config, session, State(), Telemetry(False), {}, Terms(Plan(None if codec.exact else codec)))
     start = time.perf_counter()
     if seen.kind == "reduce_scatter":
         out = torch.empty(seen.out, device=buffer.device)

@@ -15,7 +15,8 @@
   bytes are counted in ``stats()["monitor_bytes"]`` and ``stats()["auto"]["probe_bytes"]``, never in
   ``wire_bytes``. With ``auto:bandwidth=RATE`` nothing is probed.
 
-Each rank measures its own numbers; the autopilot gathers every rank's before deciding (:mod:`.decide`).
+Each rank measures its own numbers; the autopilot gathers every rank's before deciding (:func:`gather`: one small
+all-reduce, the same table on every rank). :class:`Prober` decides when the link is probed again.
 """
 
 from __future__ import annotations
@@ -32,10 +33,17 @@ SMALL_PROBE_FLOATS = 256
 PROBE_BYTES = (1024 * 1024, 4 * 1024 * 1024)
 #: the big probe is 1/300 of the traffic between two checks: its two all-reduces send 2 x 2(W-1)/W of it, ~1 %
 PROBE_SHARE = 300
+#: without a ``bandwidth=`` hint the link is probed at most every this many checks while the current plan's measured
+#: step time stays within :data:`MOVED` of what it was (a probe of a slow link costs a small model's step 10 %)
+PROBE_EVERY = 5
+#: a change of the plan's step time since the last probe that makes the autopilot probe again
+MOVED = 0.25
 
 
 class Meter:
-    """This rank's measurements. ``clock``: the time source (a test skews one rank's)."""
+    """This rank's measurements. ``clock``: the time source (a test skews one rank's). ``record``: the last step's
+    :class:`~gradcompress.step.StepRecord`; ``buckets``/``hooked``: the groups the last step that averaged any saw,
+    and whether it launched them early (the DDP hook: the exchange overlaps the backward pass)."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -46,10 +54,19 @@ class Meter:
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
         self._mark: tuple[float, float] | None = None
+        self.record = None
+        self.buckets: tuple = ()
+        self.hooked = False
 
-    def step_started(self, comm, prev) -> None:
-        """A step begins: the previous one's compute time is known (``prev``: that step, None at the first)."""
-        now = self.clock()
+    def closed(self, record) -> None:
+        """A step ended (or was aborted): what it measured."""
+        self.record = record
+        if record.seen:
+            self.buckets, self.hooked = record.seen, record.overlapped
+
+    def step_started(self, comm) -> None:
+        """A step begins: the previous one's compute time is known (from :attr:`record`)."""
+        now, prev = self.clock(), self.record
         if self._mark is not None and prev is not None and prev.committed is not None:
             wall, waited = now - self._mark[0] - self.excluded, comm.comm_seconds - self._mark[1]
             self.compute.append(max(wall - waited - prev.codec_seconds, 0.0))
@@ -66,6 +83,10 @@ class Meter:
     def step_s(self) -> float:
         """The median time of the last steps of the current plan (0: none measured yet)."""
         return statistics.median(self.walls) if self.walls else 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """The autopilot's own ``seconds`` inside the current step (a check): not the step's compute."""
+        self.excluded += seconds
 
     def link(self, comm, traffic: int, device) -> tuple[float, float]:
         """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together, with the
@@ -87,5 +108,43 @@ class Meter:
         self.probe_bytes += comm.monitor_bytes - before
         return self.clock() - start
 
+    def gather(self, comm, fields: dict, device) -> dict:
+        """Every rank's numbers of each named field (name -> this rank's list of floats), as name -> ``[world, n]``
+        float64 tables: the same on every rank, bit for bit (one all-reduce of rows that are zero but one's; counted
+        as measuring bytes, not ``wire_bytes``)."""
+        local = [float(x) for values in fields.values() for x in values]
+        table = torch.zeros(comm.world, len(local), dtype=torch.float64, device=device)
+        table[comm.rank] = torch.tensor(local, dtype=torch.float64)
+        before = comm.monitor_bytes
+        comm.all_reduce(table, monitor=True).wait()
+        self.probe_bytes += comm.monitor_bytes - before
+        parts = table.cpu().split([len(v) for v in fields.values()], dim=1)
+        return dict(zip(fields, parts))
 
-__all__ = ["Meter", "PROBE_BYTES", "SMALL_PROBE_FLOATS"]
+
+class Prober:
+    """When the link is probed again (without a ``bandwidth=`` hint): at the first check, then only when the current
+    plan's measured step time moved by more than :data:`MOVED` since the last probe, or every :data:`PROBE_EVERY`
+    checks; in between the last probe's numbers stand (the step's own time is the passive probe).
+    ``reference_step``: the current plan's step time when the link was last probed (or a trial measured it)."""
+
+    def __init__(self) -> None:
+        self.reference_step = 0.0
+        self.unprobed = 0  # checks since the last probe
+        self.link: tuple[float, float] | None = None  # the last probe's (bandwidth, alpha), combined over ranks
+
+    def due(self, step_s: float) -> bool:
+        """Whether this check probes (every rank alike: ``step_s`` is the gathered step time)."""
+        ref, self.unprobed = self.reference_step, self.unprobed + 1
+        steady = ref > 0 and step_s > 0 and abs(step_s - ref) <= MOVED * ref
+        return not (self.link is not None and steady and self.unprobed < PROBE_EVERY)
+
+    def probed(self, step_s: float, link: tuple[float, float]) -> None:
+        self.reference_step, self.unprobed, self.link = step_s, 0, link
+
+    def measured(self, step_s: float) -> None:
+        """The plan kept after a trial took ``step_s``: what the next checks' steps are compared with."""
+        self.reference_step = step_s
+
+
+__all__ = ["Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS"]

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
 from ..config import is_auto
+from ..quorum import under
 from ..session import default_group
 from ..scheme import DILOCO_OUTERS, split_compressor_options
 from ..spec import make
@@ -162,7 +163,7 @@ class DiLoCo:
         mix: the weight of the fresh global fragment when it is applied, ``local <- mix * global + (1 - mix) *
             local`` (in (0, 1]; default 1 with ``delay=0``, DiLoCo's copy, and 0.5 with ``delay > 0``, as in the
             streaming DiLoCo paper).
-        manager: a torchft ``Manager`` (fault tolerance, :mod:`gradcompress.integrations.torchft`): each sync
+        manager: a torchft ``Manager`` (fault tolerance, :mod:`gradcompress.quorum`): each sync
             starts a quorum, averages the outer gradients of the live replicas (a rejoining replica sends zeros),
             and applies the outer step only if ``manager.should_commit()`` agrees; a rejoining replica receives
             the anchor, the outer optimizer's state and the step counters. The replicas must start from the same
@@ -225,7 +226,7 @@ class DiLoCo:
         self.syncs = 0
         self.skipped = 0
         if manager is not None:  # a rejoining replica receives the anchor, outer state and counters
-            manager.register_state_dict_fn(f"{self.compressor.state_key}.diloco", self._load_shared,
+            manager.register_state_dict_fn(f"{self.compressor.coordinator.state_key}.diloco", self._load_shared,
                                            self._shared_state)
 
     # ------------------------------------------------------------------ optimizer interface
@@ -289,7 +290,9 @@ class DiLoCo:
                 step.drive([step.exchange(keys, grads)])
             self.sync_bytes.append(comp.stats()["wire_bytes"] - before)
             if self.manager is not None:
-                return bool(self.manager.should_commit() and step.finite)
+                agreed = self.manager.should_commit()
+                step.decide(agreed)
+                return bool(agreed and step.finite)
             return bool(step.committed)
 
         self.flight[f] = streaming.InFlight(f, grads, t + self.delay, self.courier.send(exchange, now))
@@ -495,14 +498,13 @@ def _cloned(value):
 
 def _managed(manager, process_group, topology):
     """The Compressor class for DiLoCo under torchft's ``manager`` (its outer exchange on the live quorum)."""
-    from ..integrations.torchft import Compressor as Managed
 
     if process_group is not None or topology not in (None, "auto", "flat"):
         raise ValueError("DiLoCo: under torchft (manager=...) the outer exchange runs between the replicas of the "
                          "quorum: process_group and a hierarchical topology do not apply")
 
     def build(codec, *, process_group=None, topology=None, **options):
-        return Managed(codec, manager, **options)
+        return Compressor(codec, topology="flat", coordinator=under(manager), **options)
 
     return build
 

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 
 from ..integrations import torchft as gft
+from ..quorum import shared_state
 
 #: a replica's own script (``python -m gradcompress.testbed.faults``)
 SELF = [sys.executable, "-m", "gradcompress.testbed.faults"]
@@ -98,12 +99,13 @@ def die(directory: str) -> None:
 
 def kill_inside_exchange(compressor, at_step: int, directory: str) -> None:
     """SIGKILL this process inside the exchange of step ``at_step``, after its first collective round."""
-    comm = compressor.collectives
+    quorum = compressor.coordinator
+    comm = quorum.comm
     wait = comm.wait
 
     def wait_then_die(works):
-        wait(works)
-        if compressor.manager.current_step() == at_step:
+        wait(works)  # a round of the step's exchange (not the quorum's membership gather, before the step opens)
+        if compressor.current_step is not None and quorum.manager.current_step() == at_step:
             die(directory)
 
     comm.wait = wait_then_die
@@ -153,7 +155,8 @@ def replica_main(cfg):
         loss.backward()
         residuals = {k: float(v.abs().sum()) for k, v in comp.residual.items()}
         server = sum(float(v.abs().sum()) for v in comp.server_residual.values())  # after this step's begin
-        silent = comp.held[-1].silent if comp.held else None
+        held = comp.coordinator.held
+        silent = held[-1].silent if held else None
         optimizer.step()  # should_commit, then the optimizer step if committed
         error = manager.errored()
         after = manager.current_step()
@@ -162,15 +165,15 @@ def replica_main(cfg):
             out = net(x)
             full = float(torch.nn.functional.cross_entropy(out, y))
             accuracy = float((out.argmax(1) == y).float().mean())
-        shared = comp.shared_state_dict()
+        shared = shared_state(comp)
         log.write(json.dumps({"replica": cfg["replica"], "step": step, "committed": committed,
                               "participants": manager.num_participants(), "silent": silent,
                               "residual_before": sum(residuals.values()), "server_before": server, "params": digest(net.parameters()),
                               "shared": digest([t for s in ("q", "p", "momentum") for t in shared[s].values()]),
                               "state_step": comp.state.step, "after": after, "loss": full, "accuracy": accuracy,
                               "pid": os.getpid(), "time": time.time(),
-                              "stats_steps": comp.stats()["steps"], "world": comp.collectives.world,
-                              "rank": comp.collectives.rank, "wire": comp.stats()["wire_bytes"],
+                              "stats_steps": comp.stats()["steps"], "world": comp.coordinator.comm.world,
+                              "rank": comp.coordinator.comm.rank, "wire": comp.stats()["wire_bytes"],
                               "error": None if error is None else repr(error.original_exception)[:300],
                               "seconds": time.time() - began}) + "\n")
         log.flush()
@@ -269,7 +272,9 @@ def killed_at(where: str) -> float | None:
 def summarize(rows: list[dict], replicas: int, killed: float | None = None) -> dict:
     """What a scenario showed: each replica's committed steps, the quorum size per committed step (replica 0's
     view), whether every replica ended with the same parameters, the final loss and accuracy, the rows not
-    committed, and ``stall_seconds``: from the kill (``killed``, :func:`killed_at`) to replica 0's next commit."""
+    committed, and ``stall_seconds``: from the kill (``killed``, :func:`killed_at`) to replica 0's first commit of a
+    step after the last one the victim (the last replica) committed before it died: a step before the kill whose
+    row was logged just after it does not count."""
     final, quorum = {}, {}
     for r in rows:
         if r["committed"]:
@@ -278,12 +283,19 @@ def summarize(rows: list[dict], replicas: int, killed: float | None = None) -> d
                 quorum[r["after"] - 1] = r["participants"]
     committed = {i: sorted(r["after"] - 1 for r in rows if r["replica"] == i and r["committed"])
                  for i in range(replicas)}
-    later = [r["time"] for r in rows if r["replica"] == 0 and r["committed"] and killed and r["time"] > killed]
+    later = [r["time"] for r in rows if r["replica"] == 0 and r["committed"] and killed is not None
+             and r["step"] > _last_before(rows, replicas - 1, killed)]
     ends = list(final.values())
     return {"committed": committed, "quorum": quorum, "stall_seconds": min(later) - killed if later else None,
             "equal": len({r["params"] for r in ends}) == 1 and len(ends) == replicas,
             "loss": ends[0]["loss"] if ends else None, "accuracy": ends[0]["accuracy"] if ends else None,
             "uncommitted": sum(not r["committed"] for r in rows)}
+
+
+def _last_before(rows: list[dict], victim: int, killed: float) -> int:
+    """The last step ``victim`` committed before it was killed at ``killed`` (-1: none)."""
+    done = [r["step"] for r in rows if r["replica"] == victim and r["committed"] and r["time"] <= killed]
+    return max(done, default=-1)
 
 
 if __name__ == "__main__":

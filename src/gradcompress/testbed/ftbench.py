@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--model", default="mlp")
     p.add_argument("--modes", nargs="+", default=list(MODES))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -169,16 +170,21 @@ def main(argv=None) -> int:
     from ..timing import parse_rate
 
     rate = parse_rate(args.rate) if args.rate else None
-    print(f"ftbench: {args.hosts} {'hosts at ' + args.rate if rate else 'processes on loopback'}, model "
-          f"{args.model}, {args.steps} timed steps after {args.warmup}")
-    base = None
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"ftbench: {args.hosts} {'hosts at ' + args.rate if rate else 'processes on loopback'}, model "
+        f"{args.model}, {args.steps} timed steps after {args.warmup}")
+    base, rows = None, []
     for mode in args.modes:
         records = run_mode(mode, args.hosts, rate, args.steps, args.warmup, args.model)
         step = statistics.mean(statistics.mean(r["step_seconds"]) for r in records)
         base = base or step
         sent = statistics.mean(r["tx_bytes_per_step"] for r in records) / (1 if rate else args.hosts)
-        print(f"  {mode:<22} {1000 * step:8.1f} ms/step  {step / base:5.2f}x ddp  {sent / 1e6:8.2f} MB/step "
-              f"per host", flush=True)
+        rows.append({"mode": mode, "step_s": step, "vs_first": step / base, "tx_bytes_per_step_per_host": sent})
+        say(f"  {mode:<22} {1000 * step:8.1f} ms/step  {step / base:5.2f}x {args.modes[0]}  {sent / 1e6:8.2f} "
+            f"MB/step per host", flush=True)
+    if args.json:
+        print(json.dumps({"benchmark": "ftbench", "hosts": args.hosts, "bandwidth_bit": rate, "model": args.model,
+                          "steps": args.steps, "warmup": args.warmup, "modes": rows}, indent=1))
     return 0
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import parallel
 
 from ...adapters.ddp_hook import hook
+from ...compressor import Compressor as _Core
 from .compressor import Compressor
 
 
@@ -27,8 +28,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         from torchft.process_group import ProcessGroupDummy
 
         super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True)
-        if isinstance(spec, Compressor):
-            if compressor_options or spec.manager is not manager:
+        if isinstance(spec, _Core):
+            if compressor_options or getattr(spec.coordinator, "manager", None) is not manager:
                 raise ValueError("gradcompress: pass either a Compressor built on this manager, or a spec and "
                                  "its options")
             self.compressor = spec

@@ -15,7 +15,7 @@ class Lighthouse:
 
     def __init__(self, min_replicas: int = 1, *, host: str = "127.0.0.1", join_timeout_ms: int = 200,
                  heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
 
         self.server = LighthouseServer(bind=f"{host}:0", min_replicas=min_replicas,
                                        join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,

@@ -1,0 +1,291 @@
+"""The autopilot as a coordinator of steps (:class:`~gradcompress.terms.Coordinator`): measure, decide, try.
+
+The shell around the pure parts: it measures (:mod:`.measure`), gathers every rank's numbers, asks the policy
+(:mod:`.policy`) and the trial (:mod:`.probation`), and applies the plan to the state (PowerSGD's factors of a key
+whose codec changed start fresh; a change of layout moves the per-worker state). See the package's docstring for
+what happens when.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..collectives import LocalCollectives
+from ..spec import make
+from ..terms import Coordinator, Terms
+from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
+from . import report
+from .allocate import LEVELS, REFERENCE, errors
+from .calibration import Cache
+from .decide import record
+from .measure import Meter, Prober
+from .policy import Basis, Check, Context, Decision, Regime, allocatable, decide, review
+from .probation import LAYOUTS, TRIAL_STEPS, Choice, CodecTrial, LayoutTrial, Probation, Settling, Steady, judge
+
+log = logging.getLogger("gradcompress.auto")
+#: dense, measured steps before the first decision (at least; ``warmup_steps`` may ask for more)
+MEASURE_STEPS = 3
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What the decisions so far leave: their count, the switches of plan after the first, the step of the last,
+    what it was based on, the link's fit it used ((overlap, share): how much of the backward pass the exchange
+    hides behind, the share of the probed bandwidth it gets), and the last decision itself."""
+
+    decisions: int = 0
+    switches: int = 0
+    decided_at: int | None = None
+    basis: Basis | None = None
+    fitted: tuple = (1.0, 1.0)
+    last: Decision | None = None
+
+
+class Costs:
+    """What each candidate costs on each bucket (:func:`.decide.record`), for the buckets' keys it was recorded for;
+    entries the calibration ``cache`` holds are not run again."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self.table: list | None = None  # [bucket][candidate] recorded options
+        self.keys: list | None = None
+
+    def of(self, config, world: int, buckets) -> list:
+        keys = [b.keys for b in buckets]
+        if self.table is None or self.keys != keys:
+            self.table, self.keys = record(config, world, buckets, config.auto.candidates, self.cache), keys
+        return self.table
+
+
+class Autopilot(Coordinator):
+    """The plan of each step of a ``Compressor("auto")`` (``config.auto``: its options; ``session``: its group;
+    ``cache``: the calibration cache, default where the options or the environment say, decided now)."""
+
+    name = "auto"
+
+    def __init__(self, config, state, session, cache: Cache | None = None):
+        self.config, self.state, self.session = config, state, session
+        self.meter, self.prober = Meter(), Prober()
+        self.costs = Costs(cache if cache is not None else Cache.at(config.auto.cache))
+        self.regime = Regime()
+        self.probation = Probation()
+        self.choice = Choice.of({})
+        self.check: Check | None = None  # the last check's combined numbers
+        self.ledger = Ledger()
+
+    @property
+    def options(self):
+        return self.config.auto
+
+    @property
+    def first(self) -> int:
+        return max(self.config.warmup_steps, MEASURE_STEPS)
+
+    # ---------------------------------------------------------------- the coordinator
+    def open(self, comm, index: int) -> Terms:
+        """The terms of step ``index``; at a check step, every rank measures and decides together (on ``comm``)."""
+        meter = self.meter
+        meter.step_started(comm)
+        due = index >= self.first and (index - self.first) % self.options.every == 0
+        trial = self.probation.due(index)
+        if (due or trial) and meter.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
+            start = meter.clock()
+            if trial:  # a check due now waits for the next: the trial decides this step
+                self._judge(comm, index)
+            else:
+                self._check(comm, index)
+            meter.exclude(meter.clock() - start)
+        after = index + 1 - self.first  # the step before each check keeps its gradients' norm (and a copy)
+        measure = after >= 0 and after % self.options.every == 0
+        return Terms(self.choice.plan, index, self.session.divisor(), sample=measure and self.options.allocate,
+                     norm=measure and self.options.critical > 0)
+
+    def closed(self, step) -> None:
+        self.meter.closed(step.record)
+
+    # ---------------------------------------------------------------- one check
+    def _check(self, comm, index: int) -> None:
+        meter, options, buckets = self.meter, self.options, self.meter.buckets
+        costs = self.costs.of(self.config, comm.world, buckets)
+        last = meter.record
+        sample = last.sample if last is not None else None
+        keys = allocatable(buckets, self.config.min_numel) if sample is not None else []
+        fields = {"compute": [meter.compute_s()], "step": [meter.step_s()],
+                  "codec": [o.codec_s for row in costs for o in row],
+                  "norm": [float(last.norm_sq)] if last is not None and last.norm_sq is not None else [],
+                  "errors": errors(sample, keys) if keys else []}
+        got = meter.gather(comm, fields, buckets[0].device)
+        turned = bool(fields["norm"]) and self._observe(got["norm"].sum().item() ** 0.5)
+        compute, step_s = got["compute"].max().item(), got["step"].max().item()
+        bandwidth, alpha = self._link(comm, buckets[0].device, step_s)
+        codec = got["codec"].max(0).values.view(-1, len(options.candidates)).tolist()
+        err = got["errors"].sum(0).view(len(keys), len(LEVELS)) if keys else None
+        plan = self.choice.plan
+        self.check = Check(index, compute, step_s, bandwidth, alpha, tuple(map(tuple, codec)),
+                           step_s if plan.dense and plan.flat else 0.0, (tuple(keys), err))
+        ctx = self._context()
+        seen = review(self.check, ctx, turned)
+        if seen.decide:
+            if seen.measured:  # the link or the compute changed: the layouts are compared again, and a plan the
+                self.probation.moved(seen.forget)  # trial sent back may be right now if compressing pays more
+            self.ledger.fitted = seen.fitted
+            self._decide(decide(self.check, dataclasses.replace(ctx, fitted=seen.fitted)), step_s, tried=not turned)
+        if isinstance(self.probation.state, Steady):
+            self._try_layout(index, step_s)
+
+    def _observe(self, norm: float) -> bool:
+        """Record the gradient norm of this check; True if the regime changed (Accordion's detector)."""
+        before, self.regime = self.regime, self.regime.observe(norm, self.options.critical)
+        if self.regime.critical == before.critical:
+            return False
+        log.info("gradcompress auto: %s a critical regime (gradient norm %.4g, %.4g at the last check)",
+                 "entering" if self.regime.critical else "leaving", norm, self.regime.norms[0])
+        return True
+
+    def _context(self) -> Context:
+        ledger = self.ledger
+        return Context(self.costs.table, self.meter.buckets, self.options, self.config.min_numel, self.meter.hooked,
+                       ledger.basis, ledger.fitted, tuple(self.probation.rejected), self.regime.critical)
+
+    def _link(self, comm, device, step_s: float) -> tuple[float, float]:
+        """(payload bandwidth, alpha): the hint; or, where the prober says so, probed by every rank together (their
+        numbers combined: the slowest link, the largest latency); else the last probe's, sending nothing."""
+        if self.options.bandwidth is not None:
+            return payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
+        if not self.prober.due(step_s):
+            return self.prober.link
+        probe = self.meter.link(comm, self.traffic() * self.options.every, device)
+        got = self.meter.gather(comm, {"bandwidth": [probe[0]], "alpha": [probe[1]]}, device)
+        link = (got["bandwidth"].min().item(), got["alpha"].max().item())
+        self.prober.probed(step_s, link)
+        return link
+
+    # ---------------------------------------------------------------- deciding and trying
+    def _decide(self, decision: Decision, step_s: float, tried: bool = True) -> None:
+        """Take ``decision``; switch if its plan differs from the current one (unless the trial rejected that plan
+        since the measurements last moved); ``step_s``: the current plan's measured step, what a switch is judged
+        against :data:`~.probation.TRIAL_STEPS` steps later."""
+        ledger, index = self.ledger, decision.check.index
+        ledger.basis, ledger.last, ledger.decisions = decision.basis, decision, ledger.decisions + 1
+        chosen = dict(decision.chosen)
+        if chosen != self.choice.chosen and chosen not in self.probation.rejected:
+            if ledger.decided_at is not None:
+                ledger.switches += 1
+            # measured, not told: the switch is tried against the old plan; told: its step time is measured for
+            # the layouts' comparison (where there are nodes)
+            if self.options.bandwidth is None or self._layouts():
+                kind = CodecTrial if self.options.bandwidth is None and tried else Settling
+                self.probation.begin(kind(index + TRIAL_STEPS, self.choice, step_s))
+            self._apply(chosen)
+            log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
+                     "latency %.3g ms, compute %.4g s)", index, self.summary(), decision.predicted_s,
+                     decision.dense_s, format_rate(8 * decision.basis.bandwidth), 1e3 * decision.basis.alpha,
+                     decision.basis.compute_s)
+        ledger.decided_at = index
+
+    def _judge(self, comm, index: int) -> None:
+        """The trial of the last switch: the new plan's measured steps against the old plan's; then, where the
+        session has nodes and they are still to be compared, the other layout's trial."""
+        trial = self.probation.end()
+        new_step = self.meter.gather(comm, {"step": [self.meter.step_s()]}, self.meter.buckets[0].device)
+        fewer = isinstance(trial, CodecTrial) and self.traffic() < self.traffic(trial.old.chosen)
+        verdict = judge(trial, new_step["step"].max().item(), fewer)
+        if isinstance(trial, CodecTrial):
+            ledger = self.ledger
+            ledger.last = dataclasses.replace(ledger.last, trial=(verdict.old_step, verdict.new_step),
+                                              trial_back=verdict.back)
+            if verdict.back:
+                self.probation.rejected.append(dict(self.choice.chosen))
+        elif isinstance(trial, LayoutTrial):
+            self.probation.layout_times = {trial.old.layout: verdict.old_step, self.choice.layout: verdict.new_step}
+        if verdict.back:
+            self.ledger.switches += 1
+            self._apply(trial.old.chosen, trial.old.layout)
+            log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
+                     index, self.summary(), verdict.new_step, verdict.old_step)
+        self.prober.measured(verdict.kept)  # the plan kept, as measured: what the next checks are compared with
+        self._try_layout(index, verdict.kept)
+
+    def _try_layout(self, index: int, step_s: float) -> None:
+        """Start the layout's trial (the current codecs on the other layout) if the session has nodes and the
+        layouts are still to be compared; ``step_s``: the current plan's measured step time (every rank's same)."""
+        if not self._layouts():
+            return
+        trial = self.probation.layout_trial(index, self.choice, step_s)
+        if trial is None:
+            return
+        self.probation.begin(trial)
+        if isinstance(trial, LayoutTrial):
+            other = self.choice.other_layout()
+            self.ledger.switches += 1
+            self._apply(self.choice.chosen, other)
+            log.info("gradcompress auto: step %d: trying the %s exchange (%s; %s took %.4g s/step)", index, other,
+                     self.summary(), trial.old.layout, step_s)
+
+    def _layouts(self) -> bool:
+        """Whether flat and hierarchical can be compared: the session has nodes and the groups are exchanges (an
+        FSDP reduce-scatter's layout is not switched)."""
+        return self.session.hierarchy is not None and all(b.kind == "exchange" for b in self.meter.buckets)
+
+    def _apply(self, chosen: dict, layout: str | None = None) -> None:
+        """Make ``chosen`` (key -> spec) the plan, on ``layout`` (default: the current); PowerSGD factors of keys
+        whose codec changed start fresh; a new layout takes the per-worker state along (``Session.relayout``)."""
+        old = self.choice
+        changed = [k for k in set(chosen) | set(old.chosen) if chosen.get(k, "none") != old.chosen.get(k, "none")]
+        self.state.forget(("q", "p"), changed)
+        layout = old.layout if layout is None else layout
+        if layout != old.layout:
+            session = self.session
+            shapes = {k: s for b in self.meter.buckets for k, s in zip(b.keys, b.shapes)
+                      if layout == "flat" or session.hierarchical(make(chosen.get(k, "none")))}
+            session.relayout(self.state, shapes, layout == "hierarchical")
+        self.choice = Choice.of(chosen, layout)
+
+    def traffic(self, chosen: dict | None = None) -> int:
+        """Bytes one step of the current plan (or ``chosen``) sends (from the recording: the same on every rank)."""
+        index = self._indices(chosen)
+        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(index, self.costs.table))
+
+    def _indices(self, chosen: dict | None = None) -> list[int]:
+        """The current plan (or ``chosen``) as a candidate index per bucket (0: dense; a bucket of allocated levels:
+        the reference)."""
+        chosen = self.choice.chosen if chosen is None else chosen
+        index = {spec: i for i, spec in enumerate(self.options.candidates)}
+        out = []
+        for b in self.meter.buckets:
+            specs = {chosen.get(k, "none") for k in b.keys} or {"none"}
+            out.append(index[specs.pop()] if len(specs) == 1 and specs <= set(index) else index.get(REFERENCE, 0))
+        return out
+
+    # ---------------------------------------------------------------- reporting and checkpoints
+    def stats(self) -> dict:
+        return report.stats(self)
+
+    def explain(self) -> str:
+        return report.explain(self)
+
+    def state_dict(self) -> dict:
+        return report.state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the decision (``Compressor.load_state_dict``): the plan, its layout and what it was based on."""
+        layout = state.get("layout", "flat")
+        if layout not in LAYOUTS:
+            raise ValueError(f"Compressor.load_state_dict: auto's layout must be one of {', '.join(LAYOUTS)}, got "
+                             f"{layout!r}")
+        basis, fitted, decided = state.get("basis") or (), state.get("fitted") or (1.0, 1.0), state.get("decided_at", -1)
+        self.ledger = Ledger(int(state.get("decisions", 0)), int(state.get("switches", 0)),
+                             None if int(decided) < 0 else int(decided), Basis(*basis) if len(basis) == 3 else None,
+                             (float(fitted[0]), float(fitted[1])))
+        self.choice = Choice.of({k: spec for k, spec in state.get("plan", {}).items() if spec != "none"}, layout)
+        self.regime = Regime(tuple(float(n) for n in state.get("norms", [])), bool(state.get("critical", False)),
+                             int(state.get("regimes", 0)))
+
+    def summary(self) -> str:
+        """The plan in words: codec and number of buckets."""
+        counts: dict = {}
+        for b in self.meter.buckets:
+            spec = "+".join(sorted({self.choice.chosen.get(k, "none") for k in b.keys})) if b.keys else "none"
+            counts[spec] = counts.get(spec, 0) + 1
+        return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())

@@ -1,0 +1,209 @@
+"""The autopilot's decision, pure: from one check's combined numbers (:class:`Check`) to a :class:`Decision`.
+
+No I/O here: no collective, no clock, no file. Everything a decision uses arrives in the :class:`Check` (every rank
+holds the same one, built from gathered numbers) and the :class:`Context` (what the last decision was based on and
+what the trial sent back), so every rank decides alike.
+
+* **When to decide** (:func:`review`): at the first check; whenever the compute time or the probed link moved by
+  more than :data:`MOVED` since the last decision; when the regime changed (``critical=``); or when the dense steps'
+  fit of the link (overlap, share) moved by more than :data:`MOVED` while no plan stands rejected.
+* **What** (:func:`decide`): the cost model's choice per bucket (:func:`.decide.choose`) among the budget's
+  candidates (fewer in a critical regime), with the per-tensor allocation of the int4 buckets where asked
+  (``allocate=true``, :mod:`.allocate`).
+* **The regime** (:class:`Regime`): Accordion's detector on the gradient norm at the checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+
+from .allocate import LEVELS, REFERENCE, allocate, payload_bytes
+from .decide import Link, choose, fit_link
+
+#: a change of the link rate or the compute time that makes the autopilot decide again
+MOVED = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Basis:
+    """What a decision was made on: the compute time, the bandwidth the step gets (the probed one times the fitted
+    share) and the latency."""
+
+    compute_s: float
+    bandwidth: float
+    alpha: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check's numbers, every rank's combined (the slowest compute, the slowest link, the costliest codec run):
+    ``step_s`` the current plan's measured step time, ``codec[b][c]`` candidate c's codec seconds on bucket b,
+    ``dense_step_s`` the step time where the current plan is all dense and flat (the in-step probe; else 0),
+    ``errors``: (keys, ``[tensors, levels]`` squared round-trip errors summed over ranks) for ``allocate``."""
+
+    index: int
+    compute_s: float
+    step_s: float
+    bandwidth: float
+    alpha: float
+    codec: tuple
+    dense_step_s: float = 0.0
+    errors: tuple = ((), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a decision reads besides the check: the candidates' recorded costs (``costs[b][c]``), the buckets
+    (:class:`~gradcompress.step.Seen`), the autopilot's options, whether the buckets overlap the backward pass
+    (``hooked``), the last decision's basis and fit, the plans the trial sent back and the regime."""
+
+    costs: list
+    buckets: tuple
+    options: object
+    min_numel: int
+    hooked: bool
+    basis: Basis | None
+    fitted: tuple
+    rejected: tuple
+    critical: bool
+
+    @property
+    def sizes(self) -> list[int]:
+        return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A decision: ``chosen`` (key -> spec of every key it compresses), the cost model's ``choice`` (candidate index
+    per bucket) with its ``predicted_s`` and the all-dense ``dense_s``, the ``check`` it came from, its ``basis``,
+    the per-tensor ``allocation`` summary (``allocate=true``), and the trial's verdict once judged (``trial``: the
+    old and the new plan's step time; ``trial_back``)."""
+
+    chosen: Mapping
+    choice: tuple
+    predicted_s: float
+    dense_s: float
+    sizes: tuple
+    check: Check
+    basis: Basis
+    allocation: Mapping = dataclasses.field(default_factory=dict)
+    trial: tuple | None = None
+    trial_back: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Review:
+    """What a check calls for: ``decide`` (choose again), ``measured`` (the measurements moved: the layouts are to
+    be compared again), ``forget`` (the plans the trial sent back may be right now) and the new ``fitted``."""
+
+    decide: bool
+    measured: bool
+    forget: bool
+    fitted: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """Accordion's detector: the gradient norm at the last two checks, whether the regime is critical, how many
+    times it changed."""
+
+    norms: tuple = ()
+    critical: bool = False
+    changes: int = 0
+
+    def observe(self, norm: float, threshold: float) -> "Regime":
+        """The regime after a check whose gradient norm is ``norm``: critical when it moved by more than
+        ``threshold`` relative to the last check's."""
+        norms = (self.norms + (norm,))[-2:]
+        if len(norms) < 2:
+            return Regime(norms, self.critical, self.changes)
+        critical = abs(norm - norms[0]) > threshold * max(norms[0], 1e-30)
+        return Regime(norms, critical, self.changes + (critical != self.critical))
+
+
+def decided_on(basis: Basis, share: float) -> tuple[float, float]:
+    """(compute time, probed bandwidth) a decision was made on."""
+    return basis.compute_s, basis.bandwidth / share
+
+
+def moved(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
+    """Whether the compute time or the probed link moved by more than :data:`MOVED` since the decision."""
+    c0, b0 = decided_on(basis, share)
+    return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0)))
+
+
+def favours_compression(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
+    """Whether the link got slower or the compute faster by more than :data:`MOVED` since the decision: only then
+    is a plan the trial sent back proposed again (a noisy probe of a fast link that reads faster or slower by turns
+    would otherwise make the autopilot try the same slower plan at every check)."""
+    c0, b0 = decided_on(basis, share)
+    return bandwidth < (1 - MOVED) * b0 or compute < (1 - MOVED) * c0
+
+
+def refitted(new: tuple, old: tuple) -> bool:
+    """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
+    return abs(new[0] - old[0]) > MOVED or abs(new[1] - old[1]) > MOVED * old[1]
+
+
+def review(check: Check, ctx: Context, regime_changed: bool) -> Review:
+    """Whether ``check`` calls for a decision (see the module docstring)."""
+    fitted = ctx.fitted
+    if ctx.options.bandwidth is None and check.dense_step_s > 0:  # fresh dense steps: the step as it went
+        fitted = fit_link(ctx.costs, ctx.sizes, Link(check.bandwidth, check.alpha), check.compute_s,
+                          1.0 if ctx.hooked else 0.0, list(check.codec), check.dense_step_s)
+    share = ctx.fitted[1]
+    measured = ctx.basis is None or moved(ctx.basis, share, check.compute_s, check.bandwidth)
+    forget = measured and (ctx.basis is None or favours_compression(ctx.basis, share, check.compute_s,
+                                                                    check.bandwidth))
+    again = measured or regime_changed or (refitted(fitted, ctx.fitted) and not ctx.rejected)
+    return Review(again, measured, forget, fitted)
+
+
+def decide(check: Check, ctx: Context) -> Decision:
+    """The plan for ``check`` under ``ctx`` (its ``fitted``: the link's overlap and share to predict with)."""
+    options, sizes = ctx.options, ctx.sizes
+    overlap, share = ctx.fitted
+    link = Link(share * check.bandwidth, check.alpha)
+    names = options.critical_candidates if ctx.critical else options.candidates
+    allowed = [i for i, spec in enumerate(options.candidates) if spec in names]
+    choice, predicted, dense = choose(ctx.costs, sizes, link, check.compute_s, overlap if ctx.hooked else 0.0,
+                                      list(check.codec), allowed)
+    chosen = {k: options.candidates[c] for b, c in zip(ctx.buckets, choice) for k in b.keys if c}
+    keys, err = check.errors
+    allocation: dict = {}
+    if err is not None:
+        chosen, allocation = _allocated(chosen, ctx.buckets, list(keys), err)
+    return Decision(chosen, tuple(choice), predicted, dense, tuple(sizes), check,
+                    Basis(check.compute_s, link.bandwidth, link.alpha), allocation)
+
+
+def allocatable(buckets, min_numel: int) -> list:
+    """Keys the per-tensor allocation may measure: every exchanged tensor the codec would compress (the same list
+    on every rank)."""
+    return [k for b in buckets if b.kind == "exchange" for k, s in zip(b.keys, b.shapes)
+            if torch.Size(s).numel() >= min_numel]
+
+
+def _allocated(chosen: dict, buckets, keys: list, err: torch.Tensor) -> tuple[dict, dict]:
+    """``chosen`` with the tensors given :data:`REFERENCE` re-allocated among :data:`LEVELS`
+    (:func:`.allocate.allocate`: the fewest bytes within their total error under the reference), and a summary."""
+    rows = [i for i, k in enumerate(keys) if chosen.get(k) == REFERENCE]
+    if not rows:
+        return chosen, {}
+    sizes = {k: int(torch.Size(s).numel()) for b in buckets for k, s in zip(b.keys, b.shapes)}
+    nbytes, sub = payload_bytes([sizes[keys[i]] for i in rows]), err[rows]
+    levels = allocate(sub, nbytes)
+    out = dict(chosen)
+    out.update((keys[i], LEVELS[c]) for i, c in zip(rows, levels))
+    pick, ref = torch.tensor(levels)[:, None], LEVELS.index(REFERENCE)
+    summary = {"tensors": {spec: levels.count(i) for i, spec in enumerate(LEVELS)},
+               "payload_bytes": float(nbytes.gather(1, pick).sum()), "reference_bytes": float(nbytes[:, ref].sum()),
+               "error": float(sub.double().gather(1, pick).sum()), "reference_error": float(sub.double()[:, ref].sum())}
+    return out, summary
+
+
+__all__ = ["Basis", "Check", "Context", "Decision", "MOVED", "Regime", "Review", "allocatable", "decide",
+           "decided_on", "favours_compression", "moved", "refitted", "review"]

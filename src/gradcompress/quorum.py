@@ -1,0 +1,277 @@
+"""A replica manager's quorum as the terms of each step: fault tolerance (torchft's ``Manager``, public API only).
+
+:func:`under` makes the coordinator (:mod:`gradcompress.terms`) of a Compressor whose steps follow a torchft
+``Manager``; ``gradcompress.integrations.torchft`` builds it for users, ``DiLoCo(..., manager=...)`` for its outer
+exchange. Step by step:
+
+* **collectives**: wait for the quorum (``Manager.wait_quorum``); then one small all-gather on the quorum's group
+  tells this replica its rank, the members (a new membership: the chunk owners' server residuals restart) and
+  whether every replica is configured alike (else ``RuntimeError`` on every replica). Every collective runs on the
+  process group the Manager was given, through torchft's wrapper (its timeouts, abort and reconfiguration apply);
+  an error (a peer killed mid-exchange, a timeout) is reported to the Manager (``report_error``) instead of raised,
+  and the step's later collectives are skipped: torchft then discards the step;
+* **terms**: the schedule position is the Manager's committed step (every live replica picks the same codec at the
+  same step, a healed one included); the mean divides by the live participants (``num_participants()``); a replica
+  torchft is healing takes part silently (zeros in, none of its own residuals read); the commit is deferred;
+* **commit**: a step closes with its finiteness known and waits for the Manager's decision, read from the Manager's
+  public step counter (``should_commit()`` moves it past the step exactly when it agrees) before the next step, a
+  report or a checkpoint; whoever asks ``should_commit()`` (torchft's ``OptimizerWrapper``, DiLoCo, the user's loop)
+  needs to do nothing else, and a caller that has the answer may pass it at once (``step.decide(agreed)``);
+* **healing**: the Compressor's shared state (its step, PowerSGD's factors, momentum correction; not the residuals,
+  which are a replica's own) travels to a rejoining replica through ``register_state_dict_fn``; the state function
+  reads nothing from the group and waits on nothing (torchft calls it from its quorum thread).
+
+The process group: torchft's Manager offers no accessor for the group it was given; torchft's own public
+``ManagedProcessGroup(manager)`` holds it as its ``parent`` (:func:`managed_group`). Pass ``process_group=`` (the
+group given to the Manager) to name it yourself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
+
+from .collectives import Collectives, Done
+from .terms import Coordinator, Terms
+from .schedule import plan_at
+
+#: the key under which a Compressor's shared state travels in torchft's state transfer (first Compressor)
+STATE_KEY = "gradcompress"
+_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> state keys registered on it
+#: errors of our own code, raised whatever the group did (everything else a collective raises is the group's fault)
+PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, ImportError)
+
+
+def managed_group(manager):
+    """The process group the Manager was given, as torchft's public ``ManagedProcessGroup`` holds it."""
+    from torchft.process_group import ManagedProcessGroup
+
+    return ManagedProcessGroup(manager).parent
+
+
+def under(manager, *, group=None, state_key: str | None = None, process_group=None):
+    """The coordinator factory of a Compressor under ``manager`` (``Compressor(spec, coordinator=under(m))``):
+    ``group``: the replica group's own process group, for replica groups of several processes (see
+    :meth:`Quorum.mine`); ``state_key``: the name of its shared state in torchft's transfer (default
+    ``"gradcompress"``, then ``"gradcompress.1"``...); ``process_group``: the group given to the Manager."""
+
+    def make(compressor):
+        if compressor.options.auto is not None:
+            raise ValueError("gradcompress under torchft: 'auto' is not supported (the autopilot measures a fixed "
+                             "group; a quorum changes): name a codec, e.g. 'int8'")
+        if compressor.options.topology not in ("auto", "flat"):
+            raise ValueError(f"gradcompress under torchft: topology must be 'flat' (the replica groups are the "
+                             f"quorum's members), got {compressor.options.topology!r}")
+        return Quorum(compressor, manager, group, state_key, process_group)
+
+    return make
+
+
+def shared_state(compressor) -> dict:
+    """What a replica that rejoins receives from a peer: the compressor's state without this rank's own residuals
+    (``State.shared_state_dict``), its held steps decided first. Reads nothing from the group, waits on nothing
+    (torchft calls it from its quorum thread)."""
+    compressor.coordinator.settle()
+    return {"config": compressor.config(), **compressor.state.shared_state_dict()}
+
+
+def load_shared(compressor, state: dict) -> None:
+    """Take a peer's :func:`shared_state` (torchft heals this replica); its residuals restart at zero."""
+    if state.get("config") != compressor.config():
+        raise ValueError(f"gradcompress under torchft: the peer's compressor is {state.get('config')!r}, this "
+                         f"replica's {compressor.config()!r}")
+    compressor.state.load_state_dict(state)
+    compressor.workspace.clear()
+
+
+class QuorumCollectives(Collectives):
+    """Collectives on the quorum's process group ``pg`` (torchft's wrapper, reconfigured at each quorum; rank and
+    size from :meth:`Quorum.collectives`). After a failure every later collective of the step is skipped (returns at
+    once, its output unspecified): the Manager already knows the step is lost."""
+
+    def __init__(self, manager, pg):  # noqa: D107 - no torch.distributed group: deliberately not Collectives.__init__
+        self.manager, self.pg, self.group = manager, pg, None
+        self.world, self.rank = 1, 0
+        self.wire_bytes, self.monitor_bytes, self.comm_seconds = 0, 0, 0.0
+        self.failed = False
+
+    def _fail(self, error: Exception) -> Done:
+        if isinstance(error, PROGRAMMING_ERRORS):  # a bug, not a fault of the group: never swallowed
+            raise error
+        if not self.failed:
+            self.failed = True
+            self.manager.report_error(error)
+        return Done()
+
+    def _issue(self, start):
+        if self.failed:
+            return Done()
+        try:
+            return start()
+        except Exception as error:  # noqa: BLE001 - any failure of the group loses the step, torchft decides
+            return self._fail(error)
+
+    def wait(self, works: list) -> None:
+        start = time.perf_counter()
+        for w in works:
+            if self.failed:
+                break
+            try:
+                w.wait()
+            except Exception as error:  # noqa: BLE001
+                self._fail(error)
+        self.comm_seconds += time.perf_counter() - start
+
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False):
+        self.count_all_reduce(t, monitor)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return self._issue(lambda: self.pg.allreduce([t], opts))
+
+    def all_gather(self, t: torch.Tensor):
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        return outs, self._issue(lambda: self.pg.allgather([outs], [t], AllgatherOptions()))
+
+    def all_gather_flat(self, t: torch.Tensor):
+        outs, work = self.all_gather(t.reshape(-1))
+        flat = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        return flat, _Then(work, lambda: torch.cat(outs, out=flat))
+
+    def all_to_all(self, t: torch.Tensor):
+        self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
+        out = torch.empty_like(t)
+        return out, self._issue(lambda: self.pg.alltoall_base(out, t, [], [], AllToAllOptions()))
+
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+        self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
+        out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
+        return out, self._issue(lambda: self.pg.alltoall_base(out, t, out_splits, in_splits,
+                                                              AllToAllOptions()))
+
+    def reduce_scatter(self, t: torch.Tensor):
+        raise NotImplementedError("gradcompress under torchft: FSDP's reduce-scatter is not supported (torchft's "
+                                  "gloo group has none); use DistributedDataParallel or synchronize")
+
+    def check_same(self, text: str, who: str, extra=None) -> list:
+        return [extra] * self.world  # the quorum compares the replicas' configurations at every step
+
+    def members(self, mine: torch.Tensor) -> list | None:
+        """Every replica's ``mine`` (an all-gather not counted in ``wire_bytes``), or None if the group failed."""
+        outs = [torch.empty_like(mine) for _ in range(self.world)]
+        self.wait([self._issue(lambda: self.pg.allgather([outs], [mine], AllgatherOptions()))])
+        return None if self.failed else outs
+
+
+class _Then:
+    """A work handle that runs ``then`` once its work has completed."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.then()
+        return True
+
+
+class Quorum(Coordinator):
+    """The steps of ``compressor`` follow ``manager``'s quorum (see the module docstring)."""
+
+    checks_group = False  # each membership is checked at every step; torchft's init_sync makes replicas start alike
+
+    def __init__(self, compressor, manager, group=None, state_key: str | None = None, process_group=None):
+        self.manager, self.config, self.group = manager, compressor.options, group
+        self.comm = QuorumCollectives(manager, process_group if process_group is not None else managed_group(manager))
+        self.token = int.from_bytes(os.urandom(7), "little")  # this replica process, among the quorum's members
+        self.members: tuple | None = None
+        self.fresh = False  # the members changed at this step
+        self.held: list = []  # closed steps waiting for the Manager's decision
+        self.lock = threading.RLock()  # settle() decides steps, whose decide() tells closed()
+        keys = _KEYS.setdefault(manager, [])
+        self.state_key = state_key or (STATE_KEY if not keys else f"{STATE_KEY}.{len(keys)}")
+        keys.append(self.state_key)
+        manager.register_state_dict_fn(self.state_key, lambda state: load_shared(compressor, state),
+                                       lambda: shared_state(compressor))
+
+    def collectives(self) -> QuorumCollectives:
+        """Wait for the quorum, then learn this replica's rank and the members (one all-gather of 16 bytes per
+        replica, not counted in ``wire_bytes``); ``RuntimeError`` on every replica if their configurations differ."""
+        self.manager.wait_quorum()
+        self.settle(final=True)
+        comm = self.comm
+        comm.failed = self.manager.errored() is not None
+        comm.world, comm.rank = comm.pg.size(), 0
+        outs = comm.members(torch.tensor([self.token, zlib.crc32(self.config.text().encode())], dtype=torch.int64))
+        if outs is None:
+            self.fresh = False
+            return comm
+        tokens = tuple(int(o[0]) for o in outs)
+        if len({int(o[1]) for o in outs}) > 1:
+            raise RuntimeError(f"gradcompress: the replicas of the quorum are configured differently (this one: "
+                               f"{self.config.text()[:300]}); every replica must pass the same spec and options")
+        comm.rank, self.fresh, self.members = tokens.index(self.token), tokens != self.members, tokens
+        return comm
+
+    def open(self, comm, index: int) -> Terms:
+        m = self.manager
+        return Terms(plan_at(self.config, m.current_step()), m.current_step(), m.num_participants(),
+                     silent=not m.is_participating(), deferred=True, new_group=self.fresh)
+
+    def override(self, terms: Terms, given: dict) -> Terms:
+        if "should_commit" in given or given.get("deferred") is False:
+            raise ValueError("gradcompress under torchft: the Manager decides the commit (should_commit); "
+                             "begin_step takes no should_commit or deferred=False here")
+        return super().override(terms, {k: v for k, v in given.items() if k != "deferred"})
+
+    def closed(self, step) -> None:
+        with self.lock:
+            if step.committed is None and step.finite is not None and step not in self.held:
+                self.held.append(step)
+
+    def settle(self, final: bool = False) -> None:
+        """Decide the held steps from the Manager's step counter: ``should_commit()`` moved it past a step exactly
+        when it agreed. Before the next step (``final``) a step it did not move past is dropped; before that (a
+        report, a checkpoint, the state a healing peer asks for) it may not have been asked yet: it stays held (its
+        state is not committed either way). A replica being healed has its state replaced by a peer's anyway."""
+        with self.lock:
+            now, still = self.manager.current_step(), []
+            for step in self.held:
+                if step.committed is not None:
+                    continue
+                if now == step.index + 1 or final:
+                    step.decide(now == step.index + 1)
+                else:
+                    still.append(step)
+            self.held = still
+
+    # ---------------------------------------------------------------- replica groups of several processes
+    def mine(self, entries: list) -> list:
+        """The (position, gradient) entries this process exchanges: with ``group`` (a replica group of G processes
+        that hold the same gradients, e.g. after DDP inside the group) rank g of the group takes positions
+        g, g+G, g+2G... (exchanged with rank g of the other replica groups: each process sends 1/G of the gradient
+        between groups); else all."""
+        if self.group is None:
+            return entries
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return [(i, g) for i, g in entries if i % size == rank]
+
+    def share(self, params: list) -> None:
+        """After the exchange: every parameter's averaged gradient broadcast inside the replica group from its owner
+        (torchft decides healing per group rank; one owner per parameter keeps the group's processes equal)."""
+        if self.group is None:
+            return
+        size = dist.get_world_size(self.group)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                dist.broadcast(p.grad, src=dist.get_global_rank(self.group, i % size), group=self.group)
+
+
+__all__ = ["Quorum", "QuorumCollectives", "STATE_KEY", "load_shared", "managed_group", "shared_state", "under"]
