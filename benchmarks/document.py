@@ -38,8 +38,6 @@ ALL_SCHEMES = ("ddp;torch-fp16;torch-powersgd;none;fp16;int8;int4;sign;topk:rati
 GROWTH_SCHEMES = "ddp;fp16;int8;sign;topk:ratio=0.01;powersgd:rank=1"
 DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
 DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
-NEEDS_JSON_FTBENCH = ("`python -m gradcompress.testbed.ftbench` prints a table only: it needs a `--json` option "
-                      "(`src/gradcompress/testbed/ftbench.py`, `main`) before this command works")
 
 
 def _netbench(name: str, args: str, minutes: int) -> tuple[str, int, str | None]:
@@ -86,9 +84,9 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                     " $T --codec int4 --out /tmp/hsdp/int4 && $T --codec int8 --params int8 --out /tmp/hsdp/int8p'",
                     12, None),
     "ftbench_1gbit": (f"{RECORD} ftbench_1gbit -- python -m gradcompress.testbed.ftbench --hosts 4 --rate 1gbit "
-                      "--steps 20 --warmup 5 --model mlp --json", 4, NEEDS_JSON_FTBENCH),
+                      "--steps 20 --warmup 5 --model mlp --json", 4, None),
     "ftbench_loopback": (f"{RECORD} ftbench_loopback -- python -m gradcompress.testbed.ftbench --hosts 4 --steps 20 "
-                         "--warmup 5 --model mlp --json", 3, NEEDS_JSON_FTBENCH),
+                         "--warmup 5 --model mlp --json", 3, None),
     "torchft_stall": (f"{RECORD} torchft_stall -- python benchmarks/torchft_stall.py --repeats 3 --json", 3, None),
     "demo_faults": (f"{RECORD} demo_faults --from /tmp/ft/faults.json -- gradcompress demo --faults --out /tmp/ft", 3,
                     None),
@@ -161,8 +159,8 @@ def ms(seconds: float) -> str:
     return f"{1000 * seconds:.1f}"
 
 
-def times(ratio: float) -> str:
-    return f"{ratio:.2f}x"
+def times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}x"
 
 
 def fewer(ratio: float) -> str:
@@ -238,8 +236,7 @@ def sources(r: Results, names: list[str]) -> list[str]:
 
 # Pending results whose format no section renders yet: once recorded, their section says so until one does.
 UNRENDERED = {"codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead", "randomk_seeds_200",
-              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "ftbench_1gbit", "ftbench_loopback",
-              "torchft_stall", "demo_faults", "lm_diloco_900", "plan_mlp_1gbit"}
+              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "lm_diloco_900", "plan_mlp_1gbit"}
 
 
 def pending(r: Results, *names: str) -> list[str]:
@@ -268,8 +265,11 @@ def netbench_table(data: dict, names: list[str] | None = None) -> list[str]:
         wait = "–" if s.get("wait_s_per_step") is None else ms(s["wait_s_per_step"])
         rows.append([code(s["scheme"]), ms(s["median_step_s"]), times(s["speedup"]),
                      size(s.get("wire_bytes_per_step")), codec, wait])
-    return table(["scheme", "ms/step", f"x {data.get('baseline', 'ddp')}", "wire bytes per host per step",
-                  "codec ms/step", "wait ms/step"], rows)
+    base = data.get("baseline") or "ddp"
+    columns = ["scheme", "ms/step", f"x {base}", "wire bytes per host per step", "codec ms/step", "wait ms/step"]
+    if data.get("baseline") is None and all(s.get("speedup") is None for s in data["schemes"]):
+        columns, rows = columns[:2] + columns[3:], [row[:2] + row[3:] for row in rows]  # no baseline in that run
+    return table(columns, rows)
 
 
 # --------------------------------------------------------------------------- the sections
@@ -676,12 +676,63 @@ def faults_section(r: Results) -> list[str]:
     out = ["## Faults under torchft", "",
            "Under torchft (`pip install -e '.[torchft]'`, [docs/torchft.md](docs/torchft.md)): what the quorum and "
            "commit cost per step against plain DDP and torchft's own DDP (4 hosts at 1 Gbit/s and on loopback, the "
-           "12.6M MLP), the stall from a replica's SIGKILL to the survivors' next committed step (3 replicas, a "
-           "kill between steps or inside the exchange), and the demo's kill-and-restart scenario (digits, 3 "
-           "replicas, 120 steps). The figures measured on 2026-12-04 have no result file; they are in the "
-           f"[measurement log]({HISTORY}).", ""]
-    out += pending(r, "ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults")[1:]
+           "12.6M MLP), the stall from a replica's SIGKILL to the survivors' first commit of a step after the last "
+           "one the killed replica committed (3 replicas, a kill between steps or inside the exchange), and the "
+           "demo's kill-and-restart scenario (digits, 3 replicas, 120 steps).", ""]
+    for name, where in (("ftbench_1gbit", "4 hosts at 1 Gbit/s"), ("ftbench_loopback", "4 processes on loopback")):
+        if r.has(name):
+            out += _ftbench(r.get(name), where)
+    if r.has("torchft_stall"):
+        out += _stalls(r.get("torchft_stall"))
+    if r.has("demo_faults"):
+        out += _demo_faults(r.get("demo_faults"))
+    names = [n for n in ("ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults") if r.has(n)]
+    while out[-1] == "":
+        out.pop()
+    out += pending(r, "ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults")
+    if names:
+        out += sources(r, names)
     return out
+
+
+def _ftbench(data: dict, where: str) -> list[str]:
+    """Per-step cost of fault tolerance: each mode's mean step and bytes; ``ft+X`` against ``ddp+X`` (the same
+    scheme without torchft) and ``torchft`` against ``ddp``."""
+    modes = {m["mode"]: m for m in data["modes"]}
+    plain = {"ft+none": "ddp", "torchft": "ddp", "ft+int8": "ddp+int8", "ft+powersgd:rank=4": "ddp+powersgd:rank=4"}
+    rows = []
+    for m in data["modes"]:
+        other = modes.get(plain.get(m["mode"], ""))
+        against = f"{m['step_s'] / other['step_s']:.2f}x `{other['mode']}`" if other else "–"
+        rows.append([code(m["mode"]), ms(m["step_s"]), times(modes["ddp"]["step_s"] / m["step_s"]) if "ddp" in modes
+                     else "–", against, size(m["tx_bytes_per_step_per_host"])])
+    return ([f"What it costs per step, {where} ({data['model']}, mean of {data['steps']} steps after "
+             f"{data['warmup']}; `x faster than ddp`: DDP's step over the mode's):", ""]
+            + table(["mode", "ms/step", "x faster than ddp", "against the same scheme without torchft",
+                     "sent per host per step"], rows, right={1, 2, 3, 4}) + [""])
+
+
+def _stalls(data: dict) -> list[str]:
+    rows = []
+    for c in data["cases"]:  # noqa: B007
+        stalls = [x for x in c["stall_seconds"] if x is not None]
+        text = ", ".join(f"{x:.2f}" for x in stalls) or "–"
+        rows.append([code(c["scheme"]), c["kill"], text, ", ".join(str(x) for x in c["uncommitted_survivor_steps"])])
+    return ([f"The stall after a kill ({data['replicas']} replicas, killed at step {data['kill_at']}, "
+             f"{data['repeats']} runs each; seconds from the kill to the survivors' first commit of a later step):",
+             ""] + table(["scheme", "kill", "stall (s), each run", "survivor steps not committed, each run"], rows)
+            + [""])
+
+
+def _demo_faults(data: dict) -> list[str]:
+    sc = data["scenario"]
+    rows = [[code(x["spec"]), "killed at %d, restarted at %d" % (sc["kill_at"], sc["restart_at"]) if x["faults"]
+             else "none", f"{x['loss']:.4f}", f"{100 * x['accuracy']:.1f} %", "yes" if x["equal"] else "no",
+             f"{x['stall_seconds']:.2f}" if x.get("stall_seconds") is not None else "–"] for x in data["runs"]]
+    return ([f"`gradcompress demo --faults` ({sc['replicas']} replicas, {sc['steps']} steps; loss and accuracy of "
+             "replica 0 on the whole data at the end):", ""]
+            + table(["scheme", "fault", "loss", "accuracy", "replicas equal", "stall (s)"], rows, right={2, 3, 5})
+            + [""])
 
 
 BELOW_ONE_BIT = [
