@@ -9,7 +9,7 @@ optimizer, the Compressor options a runner sets (warm-up, seed, ...), FSDP or HS
 
 * ``decoupled``: the bare model (every replica starts from rank 0's), DeMo, no Compressor (DeMo exchanges itself);
 * ``onebitadam``, ``CODEC,compressed_adam=true``: likewise with CompressedAdam;
-* ``CODEC:diloco=H``: the bare model, DiLoCo over ``run.optimizer``, DiLoCo's Compressor;
+* ``CODEC:diloco=H``: the bare model, DiLoCo over ``run.optimizer`` (``inner=muon``: ``run.muon``), DiLoCo's Compressor;
 * ``CODEC`` with ``run.fsdp``: the model sharded with FSDP2 (HSDP with ``run.per_node``), ``run.optimizer`` over
   the sharded parameters, the Compressor of ``register_fsdp``;
 * ``CODEC``: DistributedDataParallel with our hook (``register_ddp_hook``), ``run.optimizer``, that Compressor;
@@ -33,7 +33,7 @@ import torch.nn as nn
 from .adapters.ddp import register_ddp_hook
 from .adapters.fsdp import register_fsdp
 from .compressor import Compressor
-from .optim import CompressedAdam, DeMo, DiLoCo
+from .optim import CompressedAdam, DeMo, DiLoCo, muon
 from .scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme
 
 #: Compressor options that do not apply under FSDP (``register_fsdp`` compresses each group's buffer whole and keeps
@@ -61,6 +61,8 @@ class Run:
         shard_units: with ``fsdp``, model -> the modules sharded before the root (default: every module that holds
             parameters of its own).
         device: where the model lives (DDP's ``device_ids`` on CUDA; the HSDP mesh's device type).
+        muon: model -> the inner optimizer of ``inner=muon`` (default: :func:`gradcompress.optim.muon` with its
+            defaults); a runner passes its own learning rate and weight decay.
     """
 
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -71,6 +73,7 @@ class Run:
     params: str | None = None
     shard_units: Callable[[nn.Module], list] | None = None
     device: torch.device = torch.device("cpu")
+    muon: Callable[[nn.Module], torch.optim.Optimizer] | None = None
 
 
 def build(scheme: Scheme | None, model: nn.Module, run: Run) -> tuple[nn.Module, Any, Compressor | None]:
@@ -106,7 +109,7 @@ def diloco_options(scheme: Scheme, error_feedback: Any = "auto") -> dict:
 
 def _diloco(scheme: Scheme, model: nn.Module, run: Run):
     """DiLoCo: H local steps of ``run.optimizer`` on the bare model, the outer gradient through the codec."""
-    inner = run.optimizer(model.parameters())
+    inner = (run.muon or muon)(model) if scheme.inner == "muon" else run.optimizer(model.parameters())
     opt = DiLoCo(model, inner, sync_every=scheme.diloco, seed=run.options.get("seed", 0),
                  **diloco_options(scheme, run.options.get("error_feedback", "auto")))
     return model, opt, opt.compressor

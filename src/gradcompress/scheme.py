@@ -7,6 +7,7 @@ A *scheme* names what one training run or benchmark row uses to average gradient
     "int4:diloco=25"                                DiLoCo, H = 25, int4 outer gradients
     "none:diloco=50,outer=sparseloco"               DiLoCo, H = 50, SparseLoCo's outer gradients (its codec)
     "int4:diloco=50,fragments=4,delay=5"            streaming DiLoCo: 4 fragments in turn, each applied 5 steps on
+    "int2:diloco=100,inner=muon"                    DiLoCo with Muon inside (MuLoCo), int2 outer gradients + EF
     "topk:ratio=0.01,values=int8,compressed_adam=true"   CompressedAdam (Adam's momentum through the codec)
     "onebitadam:warmup_steps=30"                    OneBitAdam with its own options
     "onebitadam:sync_every=4"                       ... with local steps: a sync every 4th step after the freeze
@@ -47,12 +48,16 @@ DECOUPLED_OPTIONS = ("lr", "momentum_decay", "chunk", "topk", "sign", "weight_de
 #: PyTorch's own DDP schemes (netbench runs them, the cost model predicts them)
 BASELINES = ("ddp", "torch-fp16", "torch-powersgd")
 #: options of a scheme itself: ``diloco=H`` (DiLoCo, H inner steps per sync), ``compressed_adam=true`` and
-#: ``outer=nesterov|sparseloco`` and ``outer_lr=`` (DiLoCo's outer update and its learning rate, with ``diloco=H``)
-SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr", "fragments", "delay", "mix")
+#: ``outer=nesterov|sparseloco`` and ``outer_lr=`` (DiLoCo's outer update and its learning rate, with ``diloco=H``),
+#: ``inner=`` (DiLoCo's inner optimizer, with ``diloco=H``)
+SCHEME_OPTIONS = ("diloco", "compressed_adam", "outer", "outer_lr", "fragments", "delay", "mix", "inner")
 #: streaming DiLoCo's options (with ``diloco=H``): :mod:`gradcompress.optim.streaming`
 STREAMING_OPTIONS = ("fragments", "delay", "mix")
 #: DiLoCo's outer updates (``outer=``): its own outer SGD with Nesterov momentum, and SparseLoCo's
 DILOCO_OUTERS = ("nesterov", "sparseloco")
+#: DiLoCo's inner optimizers (``inner=``): the task's own (``adamw`` on the LM, SGD on digits) or
+#: :func:`gradcompress.optim.muon` (Muon on the hidden layers, AdamW on the rest: MuLoCo)
+DILOCO_INNERS = ("task", "muon")
 #: every keyword option of :class:`gradcompress.Compressor` a spec string may set (``Compressor(spec)``)
 COMPRESSOR_OPTIONS = ("error_feedback", "server_error_feedback", "momentum", "warmup_steps", "min_numel", "seed",
                       "schedule", "ramp_steps", "residual_dtype", "monitor_every", "topology", "intra_node")
@@ -83,6 +88,7 @@ class Scheme:
     outer_lr: float | None = None  # ours with diloco: DiLoCo's outer learning rate, None: the outer's default
     demo_options: tuple = ()  # decoupled: DeMo's options given in the scheme, as (name, value)
     stream_options: tuple = ()  # ours with diloco: streaming DiLoCo's fragments/delay/mix, as (name, value)
+    inner: str | None = None  # ours with diloco: DiLoCo's inner optimizer (DILOCO_INNERS), None: the task's
 
     @property
     def label(self) -> str:
@@ -124,6 +130,8 @@ class Scheme:
         if self.outer_lr is not None:
             extra.append(("outer_lr", self.outer_lr))
         extra.extend(self.stream_options)
+        if self.inner is not None:
+            extra.append(("inner", self.inner))
         if not extra:
             return self.codec.spec
         joined = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra)
@@ -211,9 +219,10 @@ def _ours(text: str) -> Scheme:
     diloco = check_diloco(extra["diloco"]) if "diloco" in extra else None
     outer = check_scheme_outer(extra["outer"], diloco) if "outer" in extra else None
     outer_lr = _outer_lr(extra["outer_lr"], diloco) if "outer_lr" in extra else None
+    inner = check_scheme_inner(extra["inner"], diloco) if "inner" in extra else None
     return Scheme(text, "ours", codec, options=tuple(compressor.items()), diloco=diloco,
                   compressed_adam=compressed_adam, outer=outer, outer_lr=outer_lr,
-                  stream_options=_streaming(extra, diloco))
+                  stream_options=_streaming(extra, diloco), inner=inner)
 
 
 def _streaming(extra: dict, diloco: int | None) -> tuple:
@@ -252,6 +261,16 @@ def check_scheme_outer(value: Any, diloco: int | None) -> str:
     if diloco is None:
         raise ValueError(f"outer={value} is DiLoCo's outer update; give it with diloco=H (e.g. "
                          f"none:diloco=50,outer={value})")
+    return value
+
+
+def check_scheme_inner(value: Any, diloco: int | None) -> str:
+    """``inner=task|muon``: one of :data:`DILOCO_INNERS`, and only next to ``diloco=H``."""
+    if value not in DILOCO_INNERS:
+        raise ValueError(f"inner must be one of {', '.join(DILOCO_INNERS)} (DiLoCo's inner optimizer), got {value!r}")
+    if diloco is None:
+        raise ValueError(f"inner={value} is DiLoCo's inner optimizer; give it with diloco=H (e.g. "
+                         f"int2:diloco=100,inner={value})")
     return value
 
 
@@ -351,7 +370,7 @@ def merge_compressor_options(from_spec: Mapping[str, Any], keywords: Mapping[str
     return {**from_spec, **keywords}
 
 
-__all__ = ["STREAMING_OPTIONS", "AUTO", "BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_OUTERS", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
+__all__ = ["STREAMING_OPTIONS", "AUTO", "BASELINES", "COMPRESSOR_OPTIONS", "DECOUPLED", "DECOUPLED_OPTIONS", "DILOCO_INNERS", "DILOCO_OUTERS", "check_scheme_inner", "check_scheme_outer", "ONEBITADAM", "ONEBITADAM_OPTIONS", "RESIDUAL_DTYPE_NAMES",
            "SCHEME_COMPRESSOR_OPTIONS", "SCHEME_OPTIONS", "Scheme", "check_diloco", "codec_options",
            "compressor_value", "merge_compressor_options", "parse_scheme", "scheme_name",
            "split_compressor_options", "unknown_option_message"]

@@ -88,6 +88,9 @@ class RunConfig:
         h = self.parsed().diloco
         if h is not None:
             self.diloco = h
+        if self.parsed().inner == "muon" and self.task != "lm":
+            raise CLIError(f"inner=muon runs on the lm task (--task lm), not {self.task}: the digits MLP trains "
+                           "with SGD, whose learning rate is not Muon's")
 
     def parsed(self) -> Scheme:
         """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
@@ -132,7 +135,7 @@ class RunConfig:
             {**task.onebitadam_extra(), **self.onebitadam_options()} if kind == ONEBITADAM else {}
         return Run(optimizer=lambda params: task.optimizer(params, self), options=self.compressor()[1],
                    exchanging=exchanging, fsdp=self.fsdp, per_node=self.hsdp, params=self.params,
-                   shard_units=task.shard_units, device=device)
+                   shard_units=task.shard_units, device=device, muon=lambda model: task.muon(model, self))
 
     def momentum_corrected(self) -> bool:
         """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
@@ -188,6 +191,11 @@ class RunConfig:
             lr = self.parsed().outer_lr or SPARSELOCO_OUTER_LR
             outer = (f"DiLoCo(H={self.diloco}, SparseLoCo outer: error feedback decay {SPARSELOCO_ERROR_DECAY:g}, "
                      f"outer SGD lr {lr:g}, no momentum) over ")
+        if self.diloco and self.parsed().inner == "muon":
+            from ..testbed import lm
+
+            return (f"{outer}Muon(hidden 2-D weights, lr={self.learning_rate():g} scaled to AdamW's RMS, momentum "
+                    f"0.95 Nesterov) + AdamW(the rest, betas=(0.9, 0.95)), weight decay {lm.WEIGHT_DECAY:g}, cosine")
         if self.task == "lm":
             beta1 = 0 if self.momentum_corrected() else 0.9
             return f"{outer}AdamW(lr={self.learning_rate():g}, betas=({beta1:g}, 0.95), cosine)" + \
@@ -378,6 +386,14 @@ class LMTask:
         beta1 = 0.0 if cfg.momentum_corrected() else lm.BETAS[0]
         return torch.optim.AdamW(params, lr=cfg.learning_rate(), betas=(beta1, lm.BETAS[1]),
                                  weight_decay=lm.WEIGHT_DECAY)
+
+    def muon(self, model, cfg):
+        """``inner=muon``: :func:`gradcompress.optim.muon` with this task's lr, AdamW betas and weight decay (one lr
+        for both parts: Muon's update scaled to AdamW's RMS)."""
+        from ..optim import muon
+        from ..testbed import lm
+
+        return muon(model, adamw_lr=cfg.learning_rate(), betas=lm.BETAS, weight_decay=lm.WEIGHT_DECAY)
 
     def scheduler(self, optimizer, cfg):
         from ..testbed import lm

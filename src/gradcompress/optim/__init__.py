@@ -14,10 +14,14 @@ applied by an outer optimizer (SGD with Nesterov momentum).
 :class:`DeMo`: decoupled momentum (Peng et al., 2024): each worker keeps its own momentum, sends only its top-k
 DCT coefficients per chunk (all-gathered), removes what it sent from its momentum, and steps with the sign of the
 workers' mean.
+
+:func:`muon`: Muon (orthogonalised momentum) on the hidden layers' weights and AdamW on the rest, as one
+optimizer; no communication of its own (DiLoCo's inner optimizer in MuLoCo, or under DDP).
 """
 
 from .decoupled import DeMo
 from .diloco import DiLoCo
+from .muon import Muon, muon
 from .onebit_adam import CompressedAdam, OneBitAdam
 
-__all__ = ["CompressedAdam", "DeMo", "DiLoCo", "OneBitAdam"]
+__all__ = ["CompressedAdam", "DeMo", "DiLoCo", "Muon", "OneBitAdam", "muon"]

@@ -1,0 +1,135 @@
+"""Muon for the hidden layers, AdamW for the rest, as one optimizer: :func:`muon`.
+
+Muon (Jordan et al., 2024) steps a 2-D weight by the orthogonalised (Newton–Schulz) Nesterov momentum of its
+gradient; embeddings, the output head, norms and biases are stepped by AdamW, as the Muon paper and Moonshot's
+"Muon is Scalable for LLM Training" (Liu et al., 2025) prescribe. MuLoCo (Thérien et al., 2025) uses it as
+DiLoCo's inner optimizer: its updates make the outer deltas easy to compress (2-bit with error feedback).
+
+Defaults (each an argument): Moonshot's recipe, so that one learning rate serves both parts: Muon's update is
+scaled to AdamW's RMS (``adjust_lr_fn="match_rms_adamw"``: ``0.2 * sqrt(max(A, B))``), decoupled weight decay 0.1
+on both, AdamW betas (0.9, 0.95); Muon's momentum 0.95 with Nesterov and 5 Newton–Schulz steps are Jordan's.
+``lr`` (Muon's) defaults to ``adamw_lr``, and ``adamw_lr`` to 1e-3 (AdamW's own default).
+
+Which parameters are Muon's: the weight of every ``nn.Linear`` except the output head (by default the last
+``nn.Linear`` of ``model.modules()``, or the modules named in ``head``) and except a weight shared with an
+``nn.Embedding`` (tied embeddings). Everything else (embeddings, positional tables, norms, biases, convolutions:
+torch's Muon takes 2-D weights only) is AdamW's.
+
+What it is to the rest of PyTorch: one ``torch.optim.Optimizer`` whose ``param_groups`` are the Muon groups then
+the AdamW groups (each group's ``"optimizer"`` says which): LR schedulers scale both, ``state_dict`` /
+``load_state_dict`` save and restore both, ``zero_grad`` clears both. It communicates nothing itself: use it under
+DDP, a compressed hook or as :class:`~gradcompress.optim.DiLoCo`'s inner optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Muon's update scaled to AdamW's RMS (Moonshot): one learning rate for both parts
+ADJUST_LR = "match_rms_adamw"
+WEIGHT_DECAY = 0.1
+MOMENTUM = 0.95
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_LR = 1e-3
+
+
+def split_parameters(model: nn.Module, head=None) -> tuple[list[str], list[str]]:
+    """(names of Muon's parameters, names of AdamW's), in ``model.named_parameters()`` order. ``head``: the name
+    of the output head module, or several names (default: the last ``nn.Linear``)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    heads = {linears[-1][0]} if head is None and linears else ({head} if isinstance(head, str) else set(head or ()))
+    unknown = heads - {name for name, _ in model.named_modules()}
+    if unknown:
+        raise ValueError(f"muon: head={sorted(unknown)} names no module of the model")
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden = {id(m.weight) for name, m in linears
+              if name not in heads and m.weight.dim() == 2 and id(m.weight) not in embedded}
+    muon_names, adamw_names = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (muon_names if id(p) in hidden else adamw_names).append(name)
+    return muon_names, adamw_names
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the hidden 2-D weights and AdamW on the rest as one optimizer (see the module docstring; build
+    it with :func:`muon`). ``param_groups``: Muon's then AdamW's, the same dicts the two parts step with."""
+
+    def __init__(self, muon_params: list, adamw_params: list, *, lr: float, adamw_lr: float, weight_decay: float,
+                 adamw_weight_decay: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn: str | None,
+                 betas: tuple, eps: float):
+        groups = []
+        if muon_params:
+            groups.append({"params": muon_params, "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                           "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
+                           "optimizer": "muon"})
+        if adamw_params:
+            groups.append({"params": adamw_params, "lr": adamw_lr, "weight_decay": adamw_weight_decay,
+                           "betas": betas, "eps": eps, "optimizer": "adamw"})
+        if not groups:
+            raise ValueError("muon: the model has no trainable parameters")
+        super().__init__(groups, {})
+        self._link()
+
+    def _link(self) -> None:
+        """Build the two parts on this optimizer's own group dicts and state (again after ``load_state_dict``)."""
+        def part(kind, make):
+            groups = [g for g in self.param_groups if g["optimizer"] == kind]
+            if not groups:
+                return None
+            opt = make([dict(g) for g in groups])  # validates and fills the part's own defaults
+            for given, filled in zip(groups, opt.param_groups):
+                for k, v in filled.items():
+                    given.setdefault(k, v)
+            opt.param_groups, opt.state = groups, self.state  # step on the shared dicts and state
+            return opt
+
+        self._muon = part("muon", lambda g: torch.optim.Muon(g))
+        self._adamw = part("adamw", lambda g: torch.optim.AdamW(g))
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "param_groups" in state:
+            self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of both parts (``closure`` is evaluated once, with gradients enabled)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in (self._muon, self._adamw):
+            if part is not None:
+                part.step()
+        return loss
+
+
+def muon(model: nn.Module, lr: float | None = None, adamw_lr: float | None = None, *,
+         weight_decay: float = WEIGHT_DECAY, adamw_weight_decay: float | None = None, momentum: float = MOMENTUM,
+         nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = ADJUST_LR,
+         betas: tuple = ADAMW_BETAS, eps: float = 1e-8, head=None) -> Muon:
+    """One optimizer: Muon on ``model``'s hidden 2-D weights, AdamW on the rest (see the module docstring).
+
+    ``lr``: Muon's learning rate (default: ``adamw_lr``, right with ``adjust_lr_fn="match_rms_adamw"``; with
+    ``adjust_lr_fn="original"`` (Jordan's scaling) use Muon's own, e.g. 0.02); ``adamw_lr``: AdamW's (default 1e-3);
+    ``weight_decay``: both parts' decoupled weight decay unless ``adamw_weight_decay`` is given; ``head``: the name
+    of the output layer (or several) that stays with AdamW (default: the last ``nn.Linear``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"muon: expects the model (an nn.Module), got {type(model).__name__}: it sorts the "
+                        "parameters by the layer they belong to")
+    adamw_lr = ADAMW_LR if adamw_lr is None else adamw_lr
+    for name, value in (("adamw_lr", adamw_lr), ("lr", lr), ("weight_decay", weight_decay)):
+        if value is None:
+            continue
+        if not value >= 0:
+            raise ValueError(f"muon: {name} must be a number >= 0, got {value!r}")
+    lr = adamw_lr if lr is None else lr
+    muon_names, adamw_names = split_parameters(model, head)
+    params = dict(model.named_parameters())
+    return Muon([params[n] for n in muon_names], [params[n] for n in adamw_names], lr=lr, adamw_lr=adamw_lr,
+                weight_decay=weight_decay,
+                adamw_weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+                momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, betas=betas,
+                eps=eps)
