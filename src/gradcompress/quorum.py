@@ -9,7 +9,8 @@ exchange. Step by step:
   whether every replica is configured alike (else ``RuntimeError`` on every replica). Every collective runs on the
   process group the Manager was given, through torchft's wrapper (its timeouts, abort and reconfiguration apply);
   an error (a peer killed mid-exchange, a timeout) is reported to the Manager (``report_error``) instead of raised,
-  and the step's later collectives are skipped: torchft then discards the step;
+  the step's later collectives are skipped and their outputs read zeros: torchft then discards the step; so is a
+  payload a peer sent that cannot be used (:class:`~gradcompress.codecs.base.PayloadError`, the step's ``fault``);
 * **terms**: the schedule position is the Manager's committed step (every live replica picks the same codec at the
   same step, a healed one included); the mean divides by the live participants (``num_participants()``); a replica
   torchft is healing takes part silently (zeros in, none of its own residuals read); the commit is deferred;
@@ -94,7 +95,8 @@ def load_shared(compressor, state: dict) -> None:
 class QuorumCollectives(Collectives):
     """Collectives on the quorum's process group ``pg`` (torchft's wrapper, reconfigured at each quorum; rank and
     size from :meth:`Quorum.collectives`). After a failure every later collective of the step is skipped (returns at
-    once, its output unspecified): the Manager already knows the step is lost."""
+    once) and every output of the step's collectives reads zeros (never what a half-finished collective left: a
+    codec must not decode garbage): the Manager already knows the step is lost."""
 
     def __init__(self, manager, pg):  # noqa: D107 - no torch.distributed group: deliberately not Collectives.__init__
         self.manager, self.pg, self.group = manager, pg, None
@@ -102,7 +104,7 @@ class QuorumCollectives(Collectives):
         self.wire_bytes, self.monitor_bytes, self.comm_seconds = 0, 0, 0.0
         self.failed = False
 
-    def _fail(self, error: Exception) -> Done:
+    def fail(self, error: Exception) -> Done:
         if isinstance(error, PROGRAMMING_ERRORS):  # a bug, not a fault of the group: never swallowed
             raise error
         if not self.failed:
@@ -110,35 +112,31 @@ class QuorumCollectives(Collectives):
             self.manager.report_error(error)
         return Done()
 
-    def _issue(self, start):
-        if self.failed:
-            return Done()
-        try:
-            return start()
-        except Exception as error:  # noqa: BLE001 - any failure of the group loses the step, torchft decides
-            return self._fail(error)
+    def _issue(self, start, outputs: list):
+        work = Done()
+        if not self.failed:
+            try:
+                work = start()
+            except Exception as error:  # noqa: BLE001 - any failure of the group loses the step, torchft decides
+                self.fail(error)
+        return _Fenced(self, work, outputs)
 
     def wait(self, works: list) -> None:
         start = time.perf_counter()
         for w in works:
-            if self.failed:
-                break
-            try:
-                w.wait()
-            except Exception as error:  # noqa: BLE001
-                self._fail(error)
+            w.wait()
         self.comm_seconds += time.perf_counter() - start
 
     def all_reduce(self, t: torch.Tensor, monitor: bool = False):
         self.count_all_reduce(t, monitor)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        return self._issue(lambda: self.pg.allreduce([t], opts))
+        return self._issue(lambda: self.pg.allreduce([t], opts), [t])
 
     def all_gather(self, t: torch.Tensor):
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
         outs = [torch.empty_like(t) for _ in range(self.world)]
-        return outs, self._issue(lambda: self.pg.allgather([outs], [t], AllgatherOptions()))
+        return outs, self._issue(lambda: self.pg.allgather([outs], [t], AllgatherOptions()), outs)
 
     def all_gather_flat(self, t: torch.Tensor):
         outs, work = self.all_gather(t.reshape(-1))
@@ -148,13 +146,13 @@ class QuorumCollectives(Collectives):
     def all_to_all(self, t: torch.Tensor):
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
         out = torch.empty_like(t)
-        return out, self._issue(lambda: self.pg.alltoall_base(out, t, [], [], AllToAllOptions()))
+        return out, self._issue(lambda: self.pg.alltoall_base(out, t, [], [], AllToAllOptions()), [out])
 
     def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
         self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
         out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
         return out, self._issue(lambda: self.pg.alltoall_base(out, t, out_splits, in_splits,
-                                                              AllToAllOptions()))
+                                                              AllToAllOptions()), [out])
 
     def reduce_scatter(self, t: torch.Tensor):
         raise NotImplementedError("gradcompress under torchft: FSDP's reduce-scatter is not supported (torchft's "
@@ -166,8 +164,27 @@ class QuorumCollectives(Collectives):
     def members(self, mine: torch.Tensor) -> list | None:
         """Every replica's ``mine`` (an all-gather not counted in ``wire_bytes``), or None if the group failed."""
         outs = [torch.empty_like(mine) for _ in range(self.world)]
-        self.wait([self._issue(lambda: self.pg.allgather([outs], [mine], AllgatherOptions()))])
+        self.wait([self._issue(lambda: self.pg.allgather([outs], [mine], AllgatherOptions()), outs)])
         return None if self.failed else outs
+
+
+class _Fenced:
+    """A collective's work handle whose outputs read zeros once the step's group has failed (the wait's error is
+    reported through ``comm``, not raised)."""
+
+    def __init__(self, comm: QuorumCollectives, work, outputs: list):
+        self.comm, self.work, self.outputs = comm, work, outputs
+
+    def wait(self) -> bool:
+        if not self.comm.failed:
+            try:
+                self.work.wait()
+            except Exception as error:  # noqa: BLE001 - the group's fault: reported, the step lost
+                self.comm.fail(error)
+        if self.comm.failed:
+            for t in self.outputs:
+                t.zero_()
+        return True
 
 
 class _Then:
@@ -223,7 +240,7 @@ class Quorum(Coordinator):
     def open(self, comm, index: int) -> Terms:
         m = self.manager
         return Terms(plan_at(self.config, m.current_step()), m.current_step(), m.num_participants(),
-                     silent=not m.is_participating(), deferred=True, new_group=self.fresh)
+                     silent=not m.is_participating(), deferred=True, new_group=self.fresh, fault=m.report_error)
 
     def override(self, terms: Terms, given: dict) -> Terms:
         if "should_commit" in given or given.get("deferred") is False:

@@ -36,55 +36,20 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Callable, Hashable, NamedTuple, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from .collectives import Job, Running, Stopwatch, drive, finish, one_job
-from .exchanges.context import QUIET_SLOTS, Context, all_finite, key_number, mix_seed
+from .codecs.base import PayloadError
+from .exchanges.context import QUIET_SLOTS, Context, all_finite, first_malformed, key_number, mix_seed
 from .monitor import StepMonitor
 from .schedule import Plan
 from .state import SLOTS, State
-from .terms import Terms
+from .terms import Seen, StepRecord, Terms
 
 #: the state a silent step (a replica being healed) commits: what every rank computes alike from the collectives
 SHARED_SLOTS = ("q", "p")
-
-
-class Seen(NamedTuple):
-    """A group of tensors a step averaged (what the autopilot decides for): ``kind`` ``"exchange"`` (``keys``, the
-    tensors' ``shapes``), ``"replicas"`` (HSDP's replica all-reduce of one shard) or ``"reduce_scatter"`` (one key;
-    ``shapes``: the input's, ``out``: the output's shape; ``scale``)."""
-
-    keys: tuple
-    shapes: tuple
-    device: object
-    kind: str = "exchange"
-    out: tuple = ()
-    scale: float = 1.0
-
-
-class StepRecord(NamedTuple):
-    """What a step did, published at its end (:attr:`Step.record`), immutable: what a coordinator reads.
-
-    ``committed``: True/False once decided, None while a deferred step waits or after an abort; ``finite``: every
-    rank's inputs were finite (None: the step did not end); ``seen``: each group of tensors it averaged
-    (:class:`Seen`); ``overlapped``: a job was launched early (the DDP hook: the exchange overlapped the backward
-    pass); ``raw_bytes``: the gradients' own size; ``codec_seconds``: time in the exchanges' own code; ``sample``
-    (where the terms asked): key -> a copy of each exchanged tensor as given (read-only mapping); ``norm_sq``
-    (where asked): the sum of their squared norms, a float64 tensor on their device (one host sync to read)."""
-
-    index: int
-    plan: Plan
-    committed: bool | None
-    finite: bool | None
-    seen: tuple
-    overlapped: bool
-    raw_bytes: int
-    codec_seconds: float
-    silent: bool
-    sample: object = None
-    norm_sq: torch.Tensor | None = None
 
 
 class Step:
@@ -233,14 +198,29 @@ class Step:
         """Commit the step's new state if every rank was finite (one host sync) and the outside decision, if any,
         agrees (asked on every rank, finite or not); True if committed. A :attr:`deferred` step only closes here
         (``finite`` is known, ``committed`` stays None) and commits at :meth:`decide`."""
-        checks = self.ctx.checks
-        self.finite = bool(torch.stack(checks).all()) if checks else True
+        self.finite, problem = self._verdict()
         self.open = False
+        if problem is not None:  # a peer's payload could not be used: the step fails, everywhere alike
+            error = PayloadError(f"gradcompress: {problem}")
+            if self.terms.fault is None:
+                raise error
+            self.terms.fault(error)  # a quorum reports it to its manager; nothing of the step is committed
+            self.finite = False
         if self.deferred:
             self._tell()
             return None
         should_commit = self.terms.should_commit
         return self.decide(should_commit() if should_commit is not None else True)
+
+    def _verdict(self) -> tuple[bool, str | None]:
+        """(every rank finite, the first malformed payload received or None), read with one host sync."""
+        checks, received = self.ctx.checks, self.ctx.received
+        if not received:
+            return (bool(torch.stack(checks).all()) if checks else True), None
+        device = received[0][0].device
+        finite = torch.stack(checks).all().reshape(1) if checks else torch.ones(1, dtype=torch.bool, device=device)
+        flags = torch.cat([finite] + [f.reshape(-1).to(finite.device) for f, _, _ in received]).cpu()
+        return bool(flags[0]), (first_malformed(received) if not bool(flags[1:].all()) else None)
 
     def decide(self, agreed: bool) -> bool:
         """The outside decision on a closed step: commit its new state if it agrees and every rank was finite

@@ -22,7 +22,9 @@ through the state's own methods.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import torch
 
 from .schedule import Plan, plan_at
 
@@ -34,7 +36,9 @@ class Terms:
     later, through ``Step.decide``; ``silent``: this rank takes part in the collectives but sends zeros and reads
     none of its own state (a replica being healed); ``sample``/``norm``: the step keeps a copy of each exchanged
     tensor / sums their squared norms, published in its record; ``new_group``: the group's members changed since
-    the last step (the chunk owners' server residuals restart)."""
+    the last step (the chunk owners' server residuals restart); ``fault``: where a payload a peer sent cannot be used
+    (:class:`~gradcompress.codecs.base.PayloadError`), the step is reported here and not committed (a quorum's
+    ``report_error``); None: the error is raised."""
 
     plan: Plan
     index: int = 0
@@ -45,10 +49,47 @@ class Terms:
     sample: bool = False
     norm: bool = False
     new_group: bool = False
+    fault: Callable[[Exception], None] | None = None
 
 
 #: the terms a caller of ``Compressor.begin_step`` may set for one step
 OVERRIDES = ("plan", "should_commit", "deferred", "silent")
+
+
+class Seen(NamedTuple):
+    """A group of tensors a step averaged (what the autopilot decides for): ``kind`` ``"exchange"`` (``keys``, the
+    tensors' ``shapes``), ``"replicas"`` (HSDP's replica all-reduce of one shard) or ``"reduce_scatter"`` (one key;
+    ``shapes``: the input's, ``out``: the output's shape; ``scale``)."""
+
+    keys: tuple
+    shapes: tuple
+    device: object
+    kind: str = "exchange"
+    out: tuple = ()
+    scale: float = 1.0
+
+
+class StepRecord(NamedTuple):
+    """What a step did, published at its end (:attr:`Step.record`), immutable: what a coordinator reads.
+
+    ``committed``: True/False once decided, None while a deferred step waits or after an abort; ``finite``: every
+    rank's inputs were finite (None: the step did not end); ``seen``: each group of tensors it averaged
+    (:class:`Seen`); ``overlapped``: a job was launched early (the DDP hook: the exchange overlapped the backward
+    pass); ``raw_bytes``: the gradients' own size; ``codec_seconds``: time in the exchanges' own code; ``sample``
+    (where the terms asked): key -> a copy of each exchanged tensor as given (read-only mapping); ``norm_sq``
+    (where asked): the sum of their squared norms, a float64 tensor on their device (one host sync to read)."""
+
+    index: int
+    plan: Plan
+    committed: bool | None
+    finite: bool | None
+    seen: tuple
+    overlapped: bool
+    raw_bytes: int
+    codec_seconds: float
+    silent: bool
+    sample: object = None
+    norm_sq: torch.Tensor | None = None
 
 
 class Coordinator:
@@ -110,4 +151,4 @@ class Fixed(Coordinator):
         return Terms(plan_at(self.config, index), index, self.session.divisor())
 
 
-__all__ = ["Coordinator", "Fixed", "OVERRIDES", "Terms"]
+__all__ = ["Coordinator", "Fixed", "OVERRIDES", "Seen", "StepRecord", "Terms"]

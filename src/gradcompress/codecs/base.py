@@ -27,6 +27,25 @@ from .. import spec as _spec
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+class PayloadError(ValueError):
+    """A payload received from a peer that cannot be used as sent: an index out of range, sizes or counts that do
+    not add up. A fault of the sender or of the link, not of the data (a non-finite value is data: the step is then
+    skipped everywhere, as ``GradScaler`` expects); the exchanges check what they receive before they use it."""
+
+
+def in_range(positions: torch.Tensor, values: torch.Tensor, numel: int):
+    """``(positions, values, valid)`` of a received payload's kept entries, safe to add into ``numel`` elements:
+    positions outside ``[0, numel)`` become 0 with value 0, ``valid`` is a 0-d bool (no host sync) that says none
+    was; counts that differ (a garbled payload) leave nothing to add and ``valid`` False. ``positions``/``values``
+    may have a leading rank dimension: ``valid`` is then per rank."""
+    if positions.shape != values.shape:
+        lead = positions.shape[:-1] if positions.dim() > 1 else ()
+        empty = positions.new_zeros((*lead, 0))
+        return empty, values.new_zeros((*lead, 0)), torch.zeros(lead, dtype=torch.bool, device=positions.device)
+    bad = (positions < 0) | (positions >= numel)
+    return positions.masked_fill(bad, 0), values.masked_fill(bad, 0), ~bad.any(-1)
+
+
 class Aggregation(enum.Enum):
     SUM = "sum"
     REQUANTIZE = "requantize"
@@ -206,21 +225,28 @@ class Codec:
         """(int64 positions, float32 values) of a payload (codecs whose :attr:`keeps_positions` is True)."""
         raise NotImplementedError(f"{self.name} does not keep positions")
 
-    def accumulate_gathered(self, payload: Payload, parts, out: torch.Tensor, world: int | None = None) -> bool:
+    def accumulate_gathered(self, payload: Payload, parts, out: torch.Tensor, world: int | None = None):
         """Every rank's gathered payload of one tensor added at once (codecs whose :attr:`gathers_stacked` is
-        True); False when not handled (the caller then adds them one by one)."""
-        return False
+        True): a bool tensor per rank, whether its payload was well formed (:func:`in_range`); None when not
+        handled (the caller then adds them one by one)."""
+        return None
 
-    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> None:
-        """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n))."""
+    def accumulate_into(self, payload: Payload, out: torch.Tensor):
+        """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n)).
+        Returns a 0-d bool tensor, whether the payload was well formed (None: nothing to check, a fixed layout of
+        values; codecs that send positions check them, :func:`in_range`)."""
         out.add_(self.decode(payload).reshape(out.shape))
+        return None
 
     def mean_into(self, payloads, out: torch.Tensor, divisor: int) -> None:
         """``out`` = (decode(payloads[0]) + ... + decode(payloads[-1])) / divisor: :meth:`decode_into` of the first,
         :meth:`accumulate_into` of the others in order, ``out.div_(divisor)`` (the chunk owner's mean in the two-step
         reduce; codecs with fused kernels compute the same values in one pass that writes ``out`` once)."""
         for i, payload in enumerate(payloads):
-            (self.accumulate_into if i else self.decode_into)(payload, out)
+            if i:
+                self.accumulate_into(payload, out)
+            else:
+                self.decode_into(payload, out)
         out.div_(divisor)
 
     def wire_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:

@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..spec import Range, option, register
-from .base import Aggregation, Codec, Payload, check_input
+from .base import Aggregation, Codec, Payload, check_input, in_range
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,23 +178,37 @@ class ChunkedDCTTopK(Codec):
         coeffs.index_copy_(0, pos, vals)
         return lay.inverse(coeffs.view(lay.blocks, lay.block)).to(payload.dtype).reshape(payload.shape)
 
-    def accumulate_gathered(self, payload, parts, out, world: int | None = None) -> bool:
-        """Every rank's coefficients of one tensor added in DCT space (rank order), divided by ``world`` when
-        given, and transformed back once into ``out`` (zero before): the mean of the ranks' decodes."""
+    def accumulate_into(self, payload: Payload, out: torch.Tensor):
+        """``out += decode(payload)`` for a payload received from a peer: its positions checked first
+        (:func:`~.base.in_range`); returns whether they were all in range."""
         if payload.numel == 0:
-            return False
+            return None
+        lay = self.layout(payload.shape)
+        pos, vals, valid = in_range(*self.kept(payload), lay.blocks * lay.block)
+        coeffs = torch.zeros(lay.blocks * lay.block, dtype=vals.dtype, device=vals.device)
+        coeffs.index_copy_(0, pos, vals)
+        out.view(-1).add_(lay.inverse(coeffs.view(lay.blocks, lay.block)).to(out.dtype).reshape(-1))
+        return valid
+
+    def accumulate_gathered(self, payload, parts, out, world: int | None = None):
+        """Every rank's coefficients of one tensor added in DCT space (rank order), divided by ``world`` when
+        given, and transformed back once into ``out`` (zero before): the mean of the ranks' decodes. Returns
+        whether each rank's positions were in range (the others add nothing)."""
+        if payload.numel == 0:
+            return None
         lay = self.layout(payload.shape)
         ranks = parts[-1].shape[0]
-        coeffs = None
+        coeffs, valid = None, []
         for r in range(ranks):
-            pos, vals = self.kept(payload.replace(tuple(q[r] for q in parts)))
+            pos, vals, ok = in_range(*self.kept(payload.replace(tuple(q[r] for q in parts))), lay.blocks * lay.block)
+            valid.append(ok)
             if coeffs is None:
                 coeffs = torch.zeros(lay.blocks * lay.block, dtype=vals.dtype, device=vals.device)
             coeffs.index_add_(0, pos, vals)
         if world is not None:
             coeffs.div_(world)
-        out.view(-1).add_(lay.inverse(coeffs.view(lay.blocks, lay.block)).to(out.dtype))
-        return True
+        out.view(-1).add_(lay.inverse(coeffs.view(lay.blocks, lay.block)).to(out.dtype).reshape(-1))
+        return torch.stack(valid)
 
 
 __all__ = ["ChunkLayout", "ChunkedDCTTopK", "dct_matrix", "index_dtype"]

@@ -27,7 +27,7 @@ import torch
 from ..spec import Range, option, register
 from . import fast
 from .packing import pack, packed_nbytes, unpack
-from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator
+from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator, in_range
 
 _RATIO = Range(0, 1, lo_open=True)
 #: DGC's sparsity warm-up densities, one per stage
@@ -160,28 +160,33 @@ class _Sparse(Codec):
             flat.index_put_((idx,), flat.index_select(0, idx) - vals)
         return payload
 
-    def accumulate_gathered(self, payload, parts, out, world: int | None = None) -> bool:
+    def accumulate_gathered(self, payload, parts, out, world: int | None = None):
         """Every rank's payload of one tensor added at once: ``parts`` are the payload's tensors with a leading
         rank dimension (values, positions). One ``index_add_`` in rank order: the same sums as adding each
         rank's payload in turn. ``world``: ``out`` (zero before) is then divided by it where anything was added
-        (elsewhere it stays 0 = 0 / world): the mean in O(W k), not a pass over ``out``. False (not handled)
+        (elsewhere it stays 0 = 0 / world): the mean in O(W k), not a pass over ``out``. Returns whether each
+        rank's positions were in range (:func:`~.base.in_range`: the others are not added); None (not handled)
         for quantised values and variable sizes."""
         if self.values is not None or not self.fixed_layout or payload.numel == 0:
-            return False
+            return None
         vals, idx = parts
-        flat, idx = out.view(-1), idx.reshape(-1).long()
+        idx, vals, valid = in_range(idx.long(), vals, payload.numel)
+        flat, idx = out.view(-1), idx.reshape(-1)
         flat.index_add_(0, idx, vals.reshape(-1).to(out.dtype))
         if world is not None:  # a position sent by several ranks is written several times with the same value
             flat.index_copy_(0, idx, flat.index_select(0, idx).div_(world))
-        return True
+        return valid
 
     def accumulate_into(self, payload, out):
         """The kept entries added at their positions (distinct within a payload): the gather path's mean costs
-        O(W k + n), not W dense decodes. Same values as adding the dense decode (+0.0 elsewhere)."""
+        O(W k + n), not W dense decodes. Same values as adding the dense decode (+0.0 elsewhere). Returns whether
+        every position was in range (:func:`~.base.in_range`)."""
         if payload.numel == 0:
-            return
+            return None
         idx, vals = self._kept(payload.tensors, payload.seed, payload.numel)
+        idx, vals, valid = in_range(idx, vals, payload.numel)
         out.view(-1).index_add_(0, idx, vals.to(out.dtype))
+        return valid
 
 
 @register("topk")

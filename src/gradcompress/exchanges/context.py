@@ -65,6 +65,8 @@ class Context:
         self.checks: list[torch.Tensor] = []  # 0-d bools, every rank the same: "this part was finite"
         self.transforms = None  # the step's chain (gradcompress.transforms.Transforms), set by the step
         self.silent = False  # a rank that sends zeros (torchft healing): set by the step
+        #: (bool per rank: its payload was well formed, key, problem) of what this step received
+        self.received: list[tuple] = []
 
     # ---------------------------------------------------------------- state
     def old(self, slot: str, key: Hashable):
@@ -90,6 +92,12 @@ class Context:
         """Check the finiteness of values every rank holds alike (e.g. received scales); None: nothing."""
         if values is not None:
             self.check(all_finite(values))
+
+    def malformed(self, flags: torch.Tensor, key, problem: str) -> None:
+        """Record whether each rank's payload of ``key`` was well formed (``flags``: a bool per rank, on any
+        device, no host sync now); the step reads them once, at its end, with its finiteness checks
+        (:func:`first_malformed`)."""
+        self.received.append((flags, key, problem))
 
     def apart(self, divisor: int) -> "ChecksApart":
         """This context with its finiteness checks kept apart, dividing by ``divisor`` (for an exchange run on a
@@ -130,6 +138,22 @@ class Context:
         return buf
 
 
+def first_malformed(received: list) -> str | None:
+    """The first payload recorded as malformed (:meth:`Context.malformed`), as words naming the rank, the key and the
+    problem; None when every one was well formed (one host sync)."""
+    if not received:
+        return None
+    flags = torch.cat([f.reshape(-1).cpu() for f, _, _ in received]).tolist()
+    at = 0
+    for f, key, problem in received:
+        n = f.numel()
+        for rank, ok in enumerate(flags[at:at + n]):
+            if not ok:
+                return f"rank {rank}'s payload for key {key!r}: {problem}"
+        at += n
+    return None
+
+
 class ChecksApart:
     """A :class:`Context` whose :meth:`check` collects into its own ``checks`` (everything else is the step's
     context's but ``divisor``): what an inner exchange found finite on its sub-group, which the wrapping exchange
@@ -156,4 +180,4 @@ class ChecksApart:
         return torch.stack(self.checks).all()
 
 
-__all__ = ["ChecksApart", "Context", "all_finite", "key_number", "mix_seed"]
+__all__ = ["ChecksApart", "Context", "all_finite", "first_malformed", "key_number", "mix_seed"]

@@ -3,7 +3,10 @@
 What is sent: every rank's whole payload to every other rank ((W-1) times its size; sizes first when they vary,
 threshold and DGC), each decoded and added at its positions, then divided by W. Biased (what is not kept is
 delayed by error feedback, on by default). Finiteness: read from the received values and scales, which every
-rank holds alike.
+rank holds alike. What is received is checked before it is used (the sizes a rank announces add up and fit the
+tensor, its positions are in range; :meth:`Context.malformed <gradcompress.exchanges.context.Context.malformed>`):
+a payload that does not is not added, and the step reports it naming the rank (every rank holds the same gathered
+payloads, so every rank finds the same).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job, floats, from_bytes, layout, to_bytes
 
 
-def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device):
-    """Round(s) of the all-gather: yields works, returns (every rank's byte buffer, their layouts)."""
+def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device, bad: dict):
+    """Round(s) of the all-gather: yields works, returns (every rank's byte buffer, their layouts). Announced sizes
+    that do not add up or exceed what the codec sends for the tensor (a garbled or truncated count) are recorded in
+    ``bad`` (rank -> problem) and read as an empty payload."""
     local = to_bytes([t for p in payloads for t in p.tensors], device)
     if codec.fixed_layout:
         gathered, work = comm.all_gather(local)
@@ -27,19 +32,31 @@ def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device):
                           device=local.device)
     all_counts, work = comm.all_gather(counts)
     yield [work]
-    longest = max(int(c[-1]) for c in all_counts)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=local.device)
+    layouts = [_announced(c.tolist(), payloads, rank, bad) for rank, c in enumerate(all_counts)]
+    longest = max(sum(s.numel() * d.itemsize for lay in rank_layout for d, s in lay) for rank_layout in layouts)
+    padded = torch.zeros(max(longest, local.numel()), dtype=torch.uint8, device=local.device)
     padded[: local.numel()] = local
     gathered, work = comm.all_gather(padded)
-    layouts = []
-    for c in all_counts:
-        it = iter(c[:-1].tolist())
-        layouts.append([[(t.dtype, torch.Size([next(it)])) for t in p.tensors] for p in payloads])
     yield [work]
     return gathered, layouts
 
 
-def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list, divided: set) -> None:
+def _announced(counts: list[int], payloads: list[Payload], rank: int, bad: dict) -> list:
+    """The layout ``rank`` announced (element counts of each payload tensor, then its byte total), or, where they do
+    not add up or a payload would hold more than one value and one position per element, an empty one."""
+    *numels, total = counts
+    dtypes = [t.dtype for p in payloads for t in p.tensors]
+    sizes = [n * d.itemsize for n, d in zip(numels, dtypes)]
+    limits = [2 * p.numel + 16 for p in payloads for _ in p.tensors]
+    if len(numels) != len(dtypes) or min(numels, default=0) < 0 or sum(sizes) != total \
+            or any(n > limit for n, limit in zip(numels, limits)):
+        bad.setdefault(rank, f"announced sizes {counts} do not fit its {len(dtypes)} payload tensors")
+        numels = [0] * len(dtypes)
+    it = iter(numels)
+    return [[(t.dtype, torch.Size([next(it)])) for t in p.tensors] for p in payloads]
+
+
+def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list, divided: set, valid: list) -> None:
     """Every rank's buffer has the same layout: one view per payload tensor with a leading rank dimension, and one
     accumulate per tensor for all ranks (O(tensors) calls, not O(tensors x W))."""
     stacked = torch.stack(gathered)
@@ -55,39 +72,57 @@ def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list,
                 part = part.clone()
             parts.append(part.view(t.dtype))
             offset += size
-        if codec.accumulate_gathered(p, parts, out, world):
+        flags = codec.accumulate_gathered(p, parts, out, world)
+        if flags is not None:
             divided.add(id(out))
+            valid.append(flags)
         else:
-            for i in range(len(gathered)):
-                codec.accumulate_into(p.replace(tuple(q[i] for q in parts)), out)
+            valid.append(_each_valid([codec.accumulate_into(p.replace(tuple(q[i] for q in parts)), out)
+                                      for i in range(len(gathered))], out.device))
         seen.append(p.replace(tuple(parts)))
 
 
-def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list) -> None:
+def _each_valid(flags: list, device) -> torch.Tensor:
+    """Per-rank validity flags (None: nothing to check) as one bool tensor."""
+    ok = torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack([ok if f is None else f for f in flags])
+
+
+def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list, valid: list) -> None:
     """Each rank's payloads read from its buffer and added one by one."""
+    flags = [[] for _ in payloads]
     for buf, rank_layout in zip(gathered, layouts):
         offset = 0
-        for p, lay, out in zip(payloads, rank_layout, outs):
+        for j, (p, lay, out) in enumerate(zip(payloads, rank_layout, outs)):
             size = sum(s.numel() * d.itemsize for d, s in lay)
             theirs = p.replace(from_bytes(buf[offset : offset + size], lay))
             offset += size
-            codec.accumulate_into(theirs, out)
+            flags[j].append(codec.accumulate_into(theirs, out))
             seen.append(theirs)
+    valid.extend(_each_valid(f, out.device) for f, out in zip(flags, outs))
 
 
 def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
-                received: Callable[[list[Payload]], None] | None, divisor: int) -> Job:
+                received: Callable[[list[Payload]], None] | None, divisor: int, ctx=None, keys=None) -> Job:
     """All-gather every rank's payloads (sizes first if they vary), decode each, add them into ``outs`` and divide
-    by ``divisor``. ``received(payloads)`` is called with every rank's payloads (the
-    same on every rank)."""
-    gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None)
+    by ``divisor``. ``received(payloads)`` is called with every rank's payloads (the same on every rank); ``ctx``
+    (the step's :class:`~.context.Context`) hears which rank sent what could not be used, by ``keys``."""
+    bad: dict = {}
+    gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None, bad)
     for out in outs:
         out.zero_()
-    seen, divided = [], set()  # outs already divided by W (where anything was added)
+    seen, divided, valid = [], set(), []  # outs already divided by W (where anything was added)
     if codec.fixed_layout and codec.gathers_stacked and len(gathered) > 1:
-        _add_stacked(codec, payloads, gathered, outs, divisor, seen, divided)
+        _add_stacked(codec, payloads, gathered, outs, divisor, seen, divided, valid)
     else:
-        _add_each(codec, payloads, gathered, layouts, outs, seen)
+        _add_each(codec, payloads, gathered, layouts, outs, seen, valid)
+    if ctx is not None:
+        for rank, problem in bad.items():
+            flags = torch.ones(comm.world, dtype=torch.bool)
+            flags[rank] = False
+            ctx.malformed(flags, (keys or [None])[0], problem)
+        for key, flags in zip(keys or [None] * len(valid), valid):
+            ctx.malformed(flags, key, "a position out of range, or values and positions of different counts")
     if received is not None:
         received(seen)
     for out in outs:
@@ -110,7 +145,8 @@ class GatheredExchange:
         payloads = [ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.GATHER)[0]
                     for k, x in zip(keys, inputs)]
         return gather_mean(self.comm, codec, payloads, outs,
-                           (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor)
+                           (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor,
+                           ctx, keys)
 
 
 __all__ = ["GatheredExchange", "gather_mean"]

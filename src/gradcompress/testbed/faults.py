@@ -60,11 +60,12 @@ def make_manager(cfg, state_fns, group_rank=0, group_world=1, store_port=None):
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         store_port = store.port
     load, save = state_fns
+    host = cfg.get("host", "127.0.0.1")  # this replica's address (a namespace's on the testbed)
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg.get("pg_timeout", 5))),
                       load_state_dict=load, state_dict=save, min_replica_size=cfg.get("min_replicas", 1),
-                      replica_id=f"replica_{cfg['replica']}", store_addr="127.0.0.1", store_port=store_port,
+                      replica_id=f"replica_{cfg['replica']}", store_addr=host, store_port=store_port,
                       rank=group_rank, world_size=group_world, lighthouse_addr=cfg["lighthouse"],
-                      hostname="127.0.0.1", timeout=timedelta(seconds=cfg.get("timeout", 10)),
+                      hostname=host, timeout=timedelta(seconds=cfg.get("timeout", 10)),
                       quorum_timeout=timedelta(seconds=cfg.get("quorum_timeout", 30)),
                       connect_timeout=timedelta(seconds=10))
     return manager, store

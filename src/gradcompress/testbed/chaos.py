@@ -1,0 +1,474 @@
+"""Faults anywhere: a replica killed (or stopped) at a point drawn at random among the points of its exchange.
+
+:func:`sweep` runs one scenario per exchange family: replicas 0 and 1 train throughout (the **survivors**), replica
+2 is killed again and again, each time at a point drawn from a seed (:func:`draw`): a step a few steps after it
+healed, and an **event** of that step's exchange — ``0`` before its first collective, then ``2i - 1`` just after
+collective i was issued and ``2i`` just after it was waited for (so: before, inside and between the rounds of every
+exchange); an event past the step's last kills it after the exchange, before ``should_commit``. A killed replica
+is replaced at once by a **standby** process (already started, torch imported) that joins the next quorum and heals
+from a peer, and is killed in turn; the last one trains to the end.
+
+Each replica logs one JSON line per step (:func:`replica`): the step's index (its quorum's step), whether it
+committed, whether the Manager saw an error, the digests of its parameters (DiLoCo: its anchors) and of the state
+every replica shares (PowerSGD's factors; momentum correction is each worker's own). :func:`verdict` reads
+the log and says, per family, what the issue's targets ask: no survivor crashed or hung, the survivors' parameters
+and shared state equal after every step they both committed, no step with an error committed, every standby
+healed (equal to the survivors at every step it committed after its heal).
+
+``kind``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process hangs with its sockets open; it is killed after the
+survivors went on without it) or, on the namespace testbed (:func:`run_partition`, root), ``cut``: the replica's
+link drops every packet both ways from that point (a partition, a host losing power: no reset), and the process
+is killed once the survivors went on; each stall (from the fault to the survivors' first commit of a later step)
+is reported.
+
+Run one replica: ``python -m gradcompress.testbed.chaos '<json>'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from . import faults
+
+SELF = [sys.executable, "-m", "gradcompress.testbed.chaos"]
+#: the exchange families (a codec each: dense, two-step, gathered, summed, low rank)
+FAMILIES = {"dense": "none", "two-step": "int8", "sign": "sign", "top-k": "topk:ratio=0.05",
+            "dgc": "dgc:ratio=0.05", "threshold": "threshold:value=0.05", "random-k": "randomk:ratio=0.1",
+            "cast": "fp16", "low-rank": "powersgd:rank=2"}
+#: events drawn per kill: 0 (before the exchange) to this (past the last of most exchanges: after it)
+EVENTS = 12
+#: standbys forked ahead of their turn (each then sets up DDP while the others train)
+LOOKAHEAD = 2
+IFNAME = "gcveth"  # a testbed host's link (:mod:`.netns`)
+#: seconds each replica sleeps per step: the digits MLP's steps take milliseconds, and replicas that spin on them
+#: starve the standbys' start of the 2 cores
+PACE = 0.02
+
+
+def draw(seed: int, kills: int) -> list[tuple[int, int]]:
+    """``kills`` (steps after healing, event) pairs from ``seed``: 1 to 3 steps after the heal, an event of
+    :data:`EVENTS`."""
+    rng = random.Random(seed)
+    return [(rng.randint(1, 3), rng.randint(0, EVENTS)) for _ in range(kills)]
+
+
+class Tripwire:
+    """Counts the events of the next exchange of a compressor under a quorum and fires at event ``event``:
+    ``fire()`` kills or stops the process. Installed on the coordinator's collectives (test instrumentation)."""
+
+    def __init__(self, compressor, event: int, fire):
+        self.compressor, self.event, self.fire = compressor, event, fire
+        self.armed, self.count = False, 0
+        comm = compressor.coordinator.comm
+        issue, wait = comm._issue, comm.wait
+
+        def counted_issue(start, outputs):
+            self._tick()
+            handle = issue(start, outputs)
+            self._tick()
+            return handle
+
+        def counted_wait(works):
+            wait(works)
+            self._tick()
+
+        comm._issue, comm.wait = counted_issue, counted_wait
+
+    def arm(self) -> None:
+        """Count the events of the next step's exchange (the quorum's membership gather, before the step opens,
+        is not counted)."""
+        self.armed, self.count = True, 0
+
+    def after(self) -> None:
+        """The armed step's exchange ended before its event: fire now (after the exchange, before the commit)."""
+        if self.armed:
+            self.fire()
+
+    def _tick(self) -> None:
+        if not self.armed or self.compressor.current_step is None:
+            return
+        self.count += 1
+        if self.count == self.event:
+            self.fire()
+
+
+def replica(cfg: dict, prepared: tuple | None = None) -> None:
+    """One replica: the digits MLP under torchft with ``cfg["spec"]`` (``mode``: ``ddp``, gradcompress's torchft
+    DDP, or ``diloco``: DiLoCo with H = ``sync_every``); a standby (forked by :func:`zygote`, ``prepared``: what it
+    imported and loaded) waits for ``go<n>`` first; a victim fires its tripwire at its drawn point; everyone stops at
+    the file ``stop``. Logs one line per step (DiLoCo: per sync)."""
+    from ..quorum import shared_state
+
+    where = cfg["dir"]
+    if cfg.get("serve_lighthouse"):  # the testbed's lighthouse, on this host's address
+        cfg["lighthouse"] = _serve_lighthouse(cfg)
+    elif cfg["lighthouse"].startswith("file:"):
+        path = cfg["lighthouse"][5:]
+        faults.wait_for(path, timeout=120)
+        cfg["lighthouse"] = open(path).read()
+    x, y = prepared or _prepare()
+    net = faults.model(32, 0)
+    if cfg.get("standby") is not None:
+        if cfg.get("mode", "ddp") == "ddp":  # DDP's first construction (its reducer's lazy set-up: ~0.6 s here)
+            from torchft.process_group import ProcessGroupDummy
+
+            torch.nn.parallel.DistributedDataParallel(faults.model(32, 0), process_group=ProcessGroupDummy(0, 1))
+        faults.wait_for(os.path.join(where, f"go{cfg['standby']}"), timeout=cfg.get("limit", 600))
+    manager, _store = faults.make_manager(cfg, (lambda sd: net.load_state_dict(sd), lambda: net.state_dict()))
+    train, comp, record = _loop(cfg, manager, net)
+    sig = {"stop": signal.SIGSTOP, "cut": None}.get(cfg.get("kind"), signal.SIGKILL)
+    wire = Tripwire(comp, cfg["event"], lambda: _fire(where, sig)) if cfg.get("after") is not None else None
+    log = open(cfg["log"], "a")
+    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + (cfg.get("standby") or 0))
+    healed_at, exchanges = None, 0
+    while not os.path.exists(os.path.join(where, "stop")):
+        time.sleep(PACE)  # leave the standbys CPU to start (the machine has 2 cores)
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        exchanged = train(x[idx], y[idx], lambda: wire.arm() if wire is not None and healed_at is not None
+                          and exchanges == healed_at + cfg["after"] else None, wire)
+        if not exchanged:
+            continue
+        exchanges += 1
+        last = comp.coordinator.held[-1]  # this step (decided at the next one's begin): its index is the quorum's
+        committed = last.committed if last.committed is not None else manager.current_step() == last.index + 1
+        if committed and healed_at is None:
+            healed_at = exchanges
+        error = manager.errored()
+        shared = shared_state(comp)
+        log.write(json.dumps({"replica": cfg["replica"], "standby": cfg.get("standby"), "step": last.index,
+                              "committed": committed, "error": None if error is None else repr(error)[:200],
+                              "params": faults.digest(record()), "participants": manager.num_participants(),
+                              "shared": faults.digest([t for s in ("q", "p") for t in shared[s].values()]),
+                              "time": time.time()}) + "\n")
+        log.flush()
+    manager.shutdown(wait=False)
+
+
+def _prepare() -> tuple:
+    """What every replica loads before its turn and a fork keeps: the data, the C++ kernels (not torchft: its
+    native runtime starts threads at import, which a fork does not carry over)."""
+    from ..codecs import fast
+    from ..integrations import torchft as _gft  # noqa: F401 - gradcompress's side only, no torchft import
+
+    fast.prepare()
+    return faults.data()
+
+
+def zygote(cfg: dict) -> None:
+    """Forks the standbys of a scenario: loads what every replica loads once (:func:`_prepare`: seconds of imports
+    on a loaded 2-core machine), then for each request ``spawn<n>.json`` forks a replica (its pid in ``pid<n>``, its
+    exit status in ``exit<n>``: the code, or minus the signal) until the file ``stop-zygote``."""
+    torch.set_num_threads(1)  # no OpenMP pool in this process: a forked child could not use its threads
+    prepared, where, pids = _prepare(), cfg["dir"], {}
+    while True:
+        for name in sorted(os.listdir(where)):
+            if name.startswith("spawn") and name.endswith(".json") and name[5:-5] not in pids.values():
+                n = name[5:-5]
+                with open(os.path.join(where, name)) as f:
+                    child_cfg = json.load(f)
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        replica(child_cfg, prepared)
+                    finally:
+                        os._exit(0)
+                pids[pid] = n
+                _write(os.path.join(where, f"pid{n}"), str(pid))
+        while pids:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            _write(os.path.join(where, f"exit{pids[pid]}"), str(code))
+        if os.path.exists(os.path.join(where, "stop-zygote")) and all(
+                os.path.exists(os.path.join(where, f"exit{n}")) for n in pids.values()):
+            return
+        time.sleep(0.02)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.replace(path + ".part", path)
+
+
+class Forked:
+    """A standby the zygote forked: ``pid``, ``poll()`` (its exit status or None), ``kill()``, ``wait()``."""
+
+    def __init__(self, where: str, n: int, cfg: dict, limit: float):
+        self.where, self.n, self.limit = where, n, limit
+        _write(os.path.join(where, f"spawn{n}.json"), json.dumps(cfg))
+        faults.wait_for(os.path.join(where, f"pid{n}"), timeout=limit)
+        self.pid = int(open(os.path.join(where, f"pid{n}")).read())
+
+    def poll(self) -> int | None:
+        path = os.path.join(self.where, f"exit{self.n}")
+        return int(open(path).read()) if os.path.exists(path) else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> int:
+        faults.wait_for(os.path.join(self.where, f"exit{self.n}"), timeout=self.limit)
+        return self.poll()
+
+
+def _serve_lighthouse(cfg: dict) -> str:
+    from ..integrations.torchft import Lighthouse
+
+    lighthouse = Lighthouse(min_replicas=1, host=cfg["host"], heartbeat_timeout_ms=cfg["heartbeat_ms"],
+                            join_timeout_ms=100)
+    _serve_lighthouse.kept = lighthouse  # lives as long as this process
+    path = os.path.join(cfg["dir"], "lighthouse")
+    with open(path + ".part", "w") as f:
+        f.write(lighthouse.address)
+    os.replace(path + ".part", path)
+    return lighthouse.address
+
+
+def _loop(cfg: dict, manager, net):
+    """(one training step ``train(x, y, arm, wire) -> exchanged``, the compressor, what is digested): ``arm`` is
+    called just before a step that exchanges, ``wire.after()`` just after its exchange (before the commit)."""
+    from torchft.optim import OptimizerWrapper
+
+    from ..integrations import torchft as gft
+
+    if cfg.get("mode", "ddp") == "ddp":
+        ddp = gft.DistributedDataParallel(manager, net, cfg["spec"], min_numel=0)
+        optimizer = OptimizerWrapper(manager, torch.optim.SGD(net.parameters(), lr=0.1))
+
+        def train(x, y, arm, wire):
+            optimizer.zero_grad()  # the step's quorum
+            arm()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            if wire is not None:
+                wire.after()
+            optimizer.step()  # should_commit, then the optimizer step
+            return True
+
+        return train, ddp.compressor, net.parameters
+
+    from ..optim import DiLoCo
+
+    opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=3e-3), sync_every=cfg["sync_every"], codec=cfg["spec"],
+                 manager=manager)
+
+    def train(x, y, arm, wire):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        syncing = (opt.inner_steps + 1) % cfg["sync_every"] == 0
+        if syncing:
+            arm()
+        opt.step()  # at a sync: start_quorum, the exchange, should_commit, the outer step
+        if syncing and wire is not None:
+            wire.after()  # past the sync's last event: killed after it, before the next inner step
+        return syncing
+
+    return train, opt.compressor, lambda: opt.anchor
+
+
+def _fire(where: str, sig) -> None:
+    with open(os.path.join(where, f"fired{os.getpid()}"), "w") as f:
+        f.write(repr(time.time()))
+    if sig is None:  # cut this host's link both ways (inside its own namespace), and go on as if nothing happened
+        for cmd in (["tc", "qdisc", "replace", "dev", IFNAME, "root", "netem", "loss", "100%"],
+                    ["tc", "qdisc", "add", "dev", IFNAME, "ingress"],
+                    ["tc", "filter", "add", "dev", IFNAME, "parent", "ffff:", "protocol", "all", "u32", "match",
+                     "u32", "0", "0", "action", "drop"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        return
+    os.kill(os.getpid(), sig)
+
+
+def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str = "kill", mode: str = "ddp",
+               sync_every: int = 4, heartbeat_ms: int = 500, limit: float = 600.0, tail: int = 4) -> dict:
+    """One family's scenario (see the module docstring): the kills drawn, then ``tail`` steps after the last heal.
+    Returns :func:`verdict` of its log, with the exit codes and the seconds it took. ``mode``: ``ddp`` or
+    ``diloco`` (``sync_every``: H; the exchange is the outer sync)."""
+    s = faults.Scenario(where, 2 if mode == "diloco" else 1, command=SELF, heartbeat_ms=heartbeat_ms, join_ms=100,
+                        limit=limit, spec=spec, mode=mode, sync_every=sync_every, timeout=5, quorum_timeout=60,
+                        pg_timeout=3)
+    start = time.time()
+    stalls: list = []
+    try:
+        survivors = [s.start(i) for i in range(2)]
+        s.start(2, zygote=True)
+        standbys: list = []
+
+        def warm(upto: int) -> None:  # standbys forked ahead (the DDP set-up done while the others train)
+            while len(standbys) <= min(upto, len(kills)):
+                n = len(standbys)
+                plan = dict(after=kills[n][0], event=kills[n][1], kind=kind) if n < len(kills) else {}
+                cfg = {**s.common, "replica": 2, "standby": n, **plan}  # the last: no kill, trains to the end
+                standbys.append(Forked(where, n, cfg, limit))
+
+        for n in range(len(kills) + 1):
+            warm(n + LOOKAHEAD)
+            open(os.path.join(where, f"go{n}"), "w").close()
+            if n < len(kills):
+                victim = standbys[n]
+                s.wait_until(lambda: victim.poll() is not None or _fired(where, victim), f"standby {n} to fire")
+                stalls.append(_stall(s, where, victim, n))
+                if kind == "stop":  # hung with its sockets open until the survivors went on without it
+                    victim.kill()
+                victim.wait()
+        healed = lambda: any(r.get("standby") == len(kills) and r["committed"] for r in s.rows())  # noqa: E731
+        s.wait_until(healed, "the last standby to heal")
+        last = max(r["step"] for r in s.rows())
+        s.wait_until(lambda: max(r["step"] for r in s.rows()) >= last + tail, "the last steps")
+        open(os.path.join(where, "stop"), "w").close()
+        open(os.path.join(where, "stop-zygote"), "w").close()
+        s.finish()
+        codes = {"survivors": [p.returncode for p in survivors], "standbys": [p.poll() for p in standbys]}
+        return {**verdict(s.rows(), len(kills)), "exit_codes": codes, "seconds": time.time() - start,
+                "stalls": stalls}
+    finally:
+        for p in standbys if "standbys" in locals() else []:
+            p.kill()
+        s.close()
+
+
+def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bit: float = 1e9,
+                  heartbeat_ms: int = 500, pg_timeout: float = 3.0, limit: float = 600.0, tail: int = 4) -> dict:
+    """Survivors on testbed hosts 0 and 1 (host 0 serves the lighthouse), the victim on host 2 cutting its own link
+    at each drawn point (see the module docstring); between two victims the link is restored. Returns
+    :func:`verdict`, the exit codes, the seconds and ``stalls`` (seconds from each cut to the survivors' first
+    commit of a step after it). Needs root (:func:`gradcompress.testbed.netns.problem`)."""
+    from . import netns
+
+    os.makedirs(where, exist_ok=True)
+    log = os.path.join(where, "log.jsonl")
+    open(log, "w").close()
+    common = {"log": log, "dir": where, "spec": spec, "mode": "ddp", "timeout": 5, "quorum_timeout": 60,
+              "pg_timeout": pg_timeout, "lighthouse": "file:" + os.path.join(where, "lighthouse"),
+              "heartbeat_ms": heartbeat_ms, "limit": limit}
+    bed = netns.Testbed(3, rate_bit).up()
+    start, stalls = time.time(), []
+    procs: list = []
+
+    def spawn(host: int, replica: int, **cfg) -> subprocess.Popen:
+        out = open(os.path.join(where, f"out{replica}.txt"), "a")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+            + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+        argv = [*SELF, json.dumps({**common, "replica": replica, "host": bed.addresses[host], **cfg})]
+        procs.append(bed.spawn(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    def rows() -> list[dict]:
+        with open(log) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def until(condition, what: str) -> None:
+        while not condition():
+            if time.time() - start > limit:
+                raise TimeoutError(f"partition scenario: timed out after {limit:.0f} s waiting for {what}; logs in "
+                                   f"{where}")
+            time.sleep(0.05)
+
+    try:
+        survivors = [spawn(0, 0, serve_lighthouse=True), spawn(1, 1)]
+        victims = []
+        for n, (after, event) in enumerate(cuts + [None]):
+            plan = {} if n == len(cuts) else dict(after=after, event=event, kind="cut")
+            victims.append(spawn(2, 2, standby=n, **plan))
+            open(os.path.join(where, f"go{n}"), "w").close()
+            if n == len(cuts):
+                break
+            victim = victims[-1]
+            until(lambda: victim.poll() is not None or _fired(where, victim), f"victim {n} to cut its link")
+            cut = float(open(os.path.join(where, f"fired{victim.pid}")).read())
+            last = max((r["step"] for r in rows() if r.get("standby") == n and r["committed"]), default=-1)
+            until(lambda: any(r["replica"] < 2 and r["committed"] and r["step"] > last for r in rows()),
+                  f"the survivors to go on after cut {n}")
+            stalls.append(min(r["time"] for r in rows() if r["replica"] < 2 and r["committed"] and r["step"] > last)
+                          - cut)
+            victim.kill()
+            victim.wait()
+            _restore(bed, 2, rate_bit)
+        until(lambda: any(r.get("standby") == len(cuts) and r["committed"] for r in rows()), "the last victim to heal")
+        end = max(r["step"] for r in rows())
+        until(lambda: max(r["step"] for r in rows()) >= end + tail, "the last steps")
+        open(os.path.join(where, "stop"), "w").close()
+        until(lambda: all(p.poll() is not None for p in survivors + victims[-1:]), "every replica to finish")
+        codes = {"survivors": [p.returncode for p in survivors], "standbys": [p.returncode for p in victims]}
+        return {**verdict(rows(), len(cuts)), "exit_codes": codes, "seconds": time.time() - start,
+                "stalls": stalls}
+    finally:
+        bed.down()
+
+
+def _restore(bed, host: int, rate_bit: float) -> None:
+    """The host's link as the testbed built it (its shaping back, the drop filter gone)."""
+    from . import netns
+
+    ns = bed.host_ns[host]
+    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", IFNAME, "ingress"], capture_output=True)
+    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", "handle", "1:", "tbf", "rate",
+                    f"{int(rate_bit)}bit", "burst", str(netns.tbf_burst_bytes(rate_bit)), "latency", "100ms"],
+                   check=True, capture_output=True)
+
+
+def _fired(where: str, proc: subprocess.Popen) -> bool:
+    return os.path.exists(os.path.join(where, f"fired{proc.pid}"))
+
+
+def _stall(s, where: str, victim, n: int) -> float:
+    """Seconds from standby ``n``'s fault to the survivors' first commit of a step after the last one it committed
+    (waiting for that commit: a hung replica must no longer hold them up)."""
+    fault = float(open(os.path.join(where, f"fired{victim.pid}")).read())
+    last = max((r["step"] for r in s.rows() if r.get("standby") == n and r["committed"]), default=-1)
+
+    def later():
+        return [r["time"] for r in s.rows() if r["replica"] < 2 and r["committed"] and r["step"] > last]
+
+    s.wait_until(lambda: bool(later()), f"the survivors to go on after standby {n}'s fault")
+    return max(min(later()) - fault, 0.0)  # 0: they had committed a later step before the fault (no stall)
+
+
+def verdict(rows: list[dict], kills: int) -> dict:
+    """What the log shows (see the module docstring): ``unequal`` (steps the survivors both committed with
+    different parameters or shared state), ``failed_committed`` (rows that committed with an error),
+    ``unhealed`` (standbys that never committed or differed from the survivors after healing), ``steps``."""
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        if r["committed"]:
+            by_step.setdefault(r["step"], []).append(r)
+    unequal = [s for s, rs in by_step.items()
+               if len({(r["params"], r["shared"]) for r in rs if r["replica"] < 2}) > 1]
+    failed = [r for r in rows if r["committed"] and r["error"]]
+    unhealed = []
+    for n in range(kills + 1):
+        mine = [r for r in rows if r.get("standby") == n and r["committed"]]
+        if not mine:
+            unhealed.append(n)
+            continue
+        for r in mine[1:]:  # after its healing step
+            peers = [p for p in by_step[r["step"]] if p["replica"] < 2]
+            if peers and (peers[0]["params"], peers[0]["shared"]) != (r["params"], r["shared"]):
+                unhealed.append(n)
+                break
+    return {"unequal": sorted(unequal), "failed_committed": len(failed), "unhealed": unhealed,
+            "steps": max(by_step, default=-1) + 1}
+
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[1])
+    (zygote if config.get("zygote") else replica)(config)
+    os._exit(0)
