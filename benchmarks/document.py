@@ -36,6 +36,11 @@ LM_DEMO = "gradcompress demo --task lm"
 ALL_SCHEMES = ("ddp;torch-fp16;torch-powersgd;none;fp16;int8;int4;sign;topk:ratio=0.01;powersgd:rank=1;"
                "powersgd:rank=4;auto;auto:budget=any")
 GROWTH_SCHEMES = "ddp;fp16;int8;sign;topk:ratio=0.01;powersgd:rank=1"
+#: the configurations tried for a recipe below 1/1000 of DDP's bytes (issue 40)
+RECIPE_SCHEMES = ("int2:diloco=100,inner=muon;int2:diloco=100;int2:diloco=100,fragments=4,delay=5,inner=muon;"
+                  "int2:diloco=100,fragments=4,delay=5;int4:diloco=200;int4:diloco=200,inner=muon;"
+                  "none:diloco=100,outer=sparseloco,inner=muon;int2:diloco=200,inner=muon;int2:diloco=50,inner=muon")
+RECIPE = "int2:diloco=100,inner=muon"
 DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
 DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
 
@@ -96,6 +101,13 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                                    f"--schemes '{DILOCO_LM}'", 3),
     "diloco_lm_1gbit": _netbench("diloco_lm_1gbit", "--workers 4 --bandwidth 1gbit --model lm --steps 100 "
                                  f"--schemes '{DILOCO_LM}'", 2),
+    "lm_recipe_900": (f"{RECORD} lm_recipe_900 --from /tmp/lm_recipe/results.json -- {LM_DEMO} --steps 900 "
+                      f"--eval-every 50 --no-progress --schemes '{RECIPE_SCHEMES}' --out /tmp/lm_recipe", 15, None),
+    "lm_recipe_seed1_900": (f"{RECORD} lm_recipe_seed1_900 --from /tmp/lm_recipe1/results.json -- {LM_DEMO} --steps "
+                            f"900 --eval-every 50 --no-progress --seed 1 --schemes '{RECIPE}' --out /tmp/lm_recipe1",
+                            3, None),
+    "time_to_loss": (f"{RECORD} time_to_loss -- python benchmarks/time_to_loss.py --recipe 'recipe={RECIPE}' "
+                     "--plot docs/time-to-loss.png --json", 30, "needs root: network namespaces"),
     "lm_diloco_900": (f"{RECORD} lm_diloco_900 --from /tmp/lm_diloco/results.json -- {LM_DEMO} --steps 900 --schemes "
                       "'none:diloco=25;int4:diloco=25;int4:diloco=50;topk:ratio=0.03,values=int8,diloco=25' "
                       "--out /tmp/lm_diloco", 7, None),
@@ -235,8 +247,8 @@ def sources(r: Results, names: list[str]) -> list[str]:
 
 
 # Pending results whose format no section renders yet: once recorded, their section says so until one does.
-UNRENDERED = {"codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead", "randomk_seeds_200",
-              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "lm_diloco_900", "plan_mlp_1gbit"}
+UNRENDERED = {"randomk_seeds_200",
+              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "plan_mlp_1gbit"}
 
 
 def pending(r: Results, *names: str) -> list[str]:
@@ -412,8 +424,64 @@ def cost_table(r: Results) -> list[str]:
                 "(with its memory), our hooks against PyTorch's `fp16_compress_hook` and `powerSGD_hook`, and what "
                 "the DDP hook costs when it sends dense:"]
     out += pending(r, "codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead")
-    out += sources(r, [name])
+    out += rendered(r, "codec_speed", codec_speed_table) + rendered(r, "instep", instep_table)
+    out += rendered(r, "instep_versus_torch", versus_torch_table)
+    out += rendered(r, "dense_hook_overhead", dense_hook_table)
+    out += sources(r, [name] + [n for n in ("codec_speed", "instep", "instep_versus_torch", "dense_hook_overhead")
+                                if r.has(n)])
     return out
+
+
+def rendered(r: Results, name: str, render_one) -> list[str]:
+    """``render_one(data)`` of the result ``name`` where it exists (else nothing: :func:`pending` says so)."""
+    return render_one(r.get(name)) if r.has(name) else []
+
+
+def codec_speed_table(data: dict) -> list[str]:
+    rows = [[code(c["codec"]), "x".join(str(n) for n in c["shape"]), times(c["vs_fp16_roundtrip"]),
+             fewer(c["compression_ratio"]), f"{c['relative_error']:.3f}"] for c in data["codecs"]]
+    return ["", f"**The codecs' own speed** (`codec_speed.json`): encode + decode of {data['numel'] / 1e6:g}M "
+                f"float32 elements on {data['threads']} CPU threads, median of {data['repeats']}, against a float16 "
+                f"round trip of the same tensor ({ms(data['fp16_roundtrip_seconds'])} ms); relative error "
+                "||x - decode(encode(x))|| / ||x|| on Gaussian data:", ""] + \
+        table(["codec", "shape", "time x fp16 round trip", "smaller by", "relative error"], rows, right={2, 3, 4})
+
+
+def instep_table(data: dict) -> list[str]:
+    rows = [[code(s["scheme"]), "on" if s["error_feedback"] else "off", ms(s["step_seconds"]), times(s["vs_dense"]),
+             size(s["wire_bytes_per_step"]), f"{s['held_x']:.2f}", f"{s['peak_x']:.2f}"] for s in data["schemes"]]
+    return ["", f"**One whole step** (`instep.json`): `Compressor.synchronize` of {data['matrices']} matrices "
+                f"{data['size']}x{data['size']} ({size(data['grad_bytes'])} of float32 gradients) on "
+                f"{data['workers']} loopback workers, median of {data['repeats']}, against a dense all-reduce of "
+                f"the same gradients ({ms(data['dense_seconds'])} ms); the memory the Compressor keeps between "
+                "steady steps and the highest extra memory during one above that (resident set), in multiples of "
+                "the gradients' size:", ""] + \
+        table(["scheme", "error feedback", "ms/step", "x dense all-reduce", "sent per step", "held x gradients",
+               "peak x gradients"], rows, right={2, 3, 4, 5, 6})
+
+
+def versus_torch_table(data: dict) -> list[str]:
+    by = {v["variant"]: v["step_seconds"] for v in data["variants"]}
+    rows = [[v["variant"], ms(v["step_seconds"]), times(v["vs_ddp"])] for v in data["variants"]]
+    pairs = [("fp16", "torch fp16_compress_hook"), ("powersgd:rank=4", "torch powerSGD_hook rank 4")]
+    ours = "; ".join(f"`{a}` {times(by[a] / by[b])} of `{b.split()[1]}`'s step" for a, b in pairs
+                     if a in by and b in by)
+    return ["", f"**Our hooks against PyTorch's** (`instep_versus_torch.json`): DDP training steps of a "
+                f"{data['layers']}-layer MLP of width {data['size']}, batch {data['batch']}, on {data['workers']} "
+                f"loopback workers, median of {data['repeats']} (" + ours + "):", ""] + \
+        table(["hook", "ms/step", "x DDP"], rows, right={1, 2})
+
+
+def dense_hook_table(data: dict) -> list[str]:
+    modes = data["modes"]
+    rows = [[f"round {i + 1}"] + [ms(row[m]) for m in modes] for i, row in enumerate(data["median_step_s_by_round"])]
+    median = data["median_over_rounds_s"]
+    rows.append(["median"] + [ms(median[m]) for m in modes])
+    rows.append(["x `ddp`"] + [times(median[m] / median["ddp"]) for m in modes])
+    return ["", f"**The DDP hook sending dense** (`dense_hook_overhead.json`): a small CNN on {data['workers']} "
+                f"loopback workers, median step time of {data['steps'] - data['steps_not_counted']} steps per run "
+                "(ms), the modes interleaved in each round; `none` and `auto` are `register_ddp_hook(ddp, MODE)`:",
+            ""] + table(["", *[code(m) for m in modes]], rows, right=set(range(1, len(modes) + 1)))
 
 
 def accuracy_tables(r: Results) -> list[str]:
@@ -776,8 +844,9 @@ def diloco_tables(r: Results) -> list[str]:
                  right={2, 3, 4, 5, 6, 7})
     out += ["", "DiLoCo with H = 25 and with sparse outer gradients (top-k 3 % + int8 values), the table of "
                 "[docs/algorithms.md](docs/algorithms.md#diloco):"]
-    out += pending(r, "lm_diloco_900")
-    out += sources(r, sorted({name for name, _, _ in BELOW_ONE_BIT} | {"lm_ddp_lr_sweep_300"}))
+    out += pending(r, "lm_diloco_900") + rendered(r, "lm_diloco_900", lm_diloco_table)
+    out += sources(r, sorted({name for name, _, _ in BELOW_ONE_BIT} | {"lm_ddp_lr_sweep_300"} |
+                             ({"lm_diloco_900"} if r.has("lm_diloco_900") else set())))
     out += ["", "### Step time on the testbed", "",
             "Blocking against streaming DiLoCo (`fragments=4`: a quarter of the model per sync, applied `delay` "
             "steps later, overlapped with the inner steps) and DDP with per-step int8 and int4, on the 4-host "
@@ -794,6 +863,74 @@ def diloco_tables(r: Results) -> list[str]:
     out += pending(r, *testbed)
     if fresh:
         out += sources(r, fresh)
+    return out
+
+
+def lm_diloco_table(data: dict) -> list[str]:
+    rows = [[code(x["scheme"]), str(x["steps"]), f"{x['val_loss']:.4f}", size(x["bytes_per_step"])]
+            for x in data["runs"]]
+    return [""] + table(["scheme", "steps", "val loss", "bytes/step"], rows, right={1, 2, 3})
+
+
+RECIPE_RUNS = ("lm_recipe_900", "lm_recipe_seed1_900")
+
+
+def first_below(x: dict, target: float) -> str:
+    """The first evaluated step whose validation loss is at or below ``target`` ("–": none)."""
+    step = next((s for s, loss in x.get("eval_history") or [] if loss <= target), None)
+    return "–" if step is None else str(step)
+
+
+def recipe_section(r: Results) -> list[str]:
+    tuned = tuned_ddp(r)
+    out = ["## Below 1/1000 of DDP's bytes", "",
+           f"The LM task again, 4 workers, against the lr-tuned DDP's 300-step validation loss "
+           f"({tuned['val_loss']:.4f}, lr {tuned['lr']:g}, {size(tuned['bytes_per_step'])} per step): every "
+           "DiLoCo-family configuration tried for a recipe at 1000x fewer bytes per step or more, 900 steps each "
+           "(3x DDP's), the inner optimizer at the task's lr 3e-3 (AdamW, or `inner=muon`: "
+           "`gradcompress.optim.muon`, Muon on the hidden weights, AdamW on the rest, one lr). The validation loss "
+           "every 50 steps is rank 0's model (between syncs, its own); `reaches the target at step` is the first of those steps at "
+           "or below the target. Every configuration run is here, met or not."]
+    for name in RECIPE_RUNS:
+        if not r.has(name):
+            continue
+        data = r.get(name)
+        rows = [[code(x["scheme"]), f"seed {data['task']['seed']}", f"{x['val_loss']:.4f}",
+                 pct(x["val_loss"], tuned["val_loss"]), size(x["bytes_per_step"]),
+                 fewer(tuned["bytes_per_step"] / x["bytes_per_step"]), first_below(x, tuned["val_loss"]),
+                 "yes" if x["val_loss"] <= tuned["val_loss"] and
+                 tuned["bytes_per_step"] / x["bytes_per_step"] >= 1000 else "no"]
+                for x in data["runs"]]
+        out += ["", f"`{name}.json`:", ""] + table(
+            ["scheme", "seed", "val loss at 900", "vs the tuned DDP", "bytes/step", "fewer bytes per step than DDP",
+             "reaches the target at step", ">= 1000x and at the target"], rows, right={2, 3, 4, 5, 6})
+    out += pending(r, *RECIPE_RUNS)
+    if r.has("time_to_loss"):
+        out += time_to_loss_table(r.get("time_to_loss"))
+    out += pending(r, "time_to_loss")
+    present = [n for n in RECIPE_RUNS + ("time_to_loss",) if r.has(n)]
+    return out + (sources(r, present) if present else [])
+
+
+def time_to_loss_table(data: dict) -> list[str]:
+    links = list(data["methods"][0]["links"])
+    rows = []
+    for m in data["methods"]:
+        cells = [m["method"], code(m["scheme"]), str(m["steps"]), f"{m['val_loss']:.4f}", size(m["bytes_per_step"])]
+        for link in links:
+            v = m["links"][link]
+            cells.append(f"{v['seconds_to_target'] / 60:.1f} min" if v["seconds_to_target"] is not None else
+                         f"not reached ({v['seconds_run'] / 60:.1f} min run)")
+        rows.append(cells)
+    out = ["", "### Time to the tuned DDP's loss", "",
+           f"Wall time to the target ({data['target']:.4f}: {data['target_from']}) on the 4-host testbed: the "
+           f"first step whose validation loss (every {data['eval_every']} steps, one run on loopback) is at or "
+           "below it, times the method's mean step time at that link (netbench, the LM model; DiLoCo's syncs "
+           "included). `python benchmarks/time_to_loss.py` runs both and draws the plot:", ""]
+    out += table(["method", "scheme", "steps run", "val loss at the end", "bytes/step",
+                  *[f"to the target at {link}" for link in links]], rows, right=set(range(2, 5 + len(links))))
+    if data.get("plot"):
+        out += ["", f"![validation loss against wall time]({data['plot']})"]
     return out
 
 
@@ -864,7 +1001,7 @@ def method_section(r: Results) -> list[str]:
 
 
 SECTIONS = [link_table, growth_table, cost_table, accuracy_tables, fsdp_tables, nodes_table, autopilot_tables,
-            faults_section, diloco_tables, plan_section]
+            faults_section, diloco_tables, recipe_section, plan_section]
 
 
 def render(folder: str = RESULTS) -> str:

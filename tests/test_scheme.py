@@ -191,6 +191,12 @@ def test_netbench_takes_diloco_schemes_and_rejects_what_it_cannot_run():
             schemes.check_schemes([text])
     with pytest.raises(task.CLIError, match="do not combine with --fsdp"):
         schemes.check_schemes(["int4:diloco=4"], fsdp=True)
+    # the time-to-loss comparison times DeMo and SparseLoCo on the testbed too
+    taken = ["decoupled:lr=0.01", "none:diloco=50,outer=sparseloco", "int2:diloco=100,inner=muon"]
+    assert schemes.check_schemes(taken) == taken
+    assert netbench._decoupled("decoupled:lr=0.01") and not netbench._decoupled("int4:diloco=25")
+    with pytest.raises(task.CLIError, match="--fsdp does not apply to decoupled"):
+        schemes.check_schemes(["decoupled"], fsdp=True)
 
 
 @pytest.mark.parametrize("text, needle", [

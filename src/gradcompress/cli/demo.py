@@ -117,6 +117,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="dense steps before compression starts (Compressor warmup_steps, default 5)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="seed of the data split, initial weights, minibatches and codecs (default 0)")
+    p.add_argument("--eval-every", type=nonnegative_int, default=0,
+                   help="evaluate every N steps on rank 0 (lm: validation loss; digits: test accuracy), kept in "
+                        "results.json as eval_history (default 0: at the end only)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--faults", action="store_true",
@@ -203,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     configs = [RunConfig(scheme=s, steps=args.steps, batch_size=batch_size,
                          lr=None if scheme_name(s) in (ONEBITADAM, DECOUPLED) else args.lr,  # their own lr
                          warmup_steps=args.warmup_steps, seed=args.seed, task=args.task,
-                         monitor_every=MONITOR_EVERY) for s in schemes]
+                         monitor_every=MONITOR_EVERY, eval_every=args.eval_every) for s in schemes]
     data = TASKS[args.task].load(args.seed)
     sizes = (f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test" if args.task == "digits" else
              f"lm: {len(data['train'])} train / {len(data['val'])} validation bytes")

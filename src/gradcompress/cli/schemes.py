@@ -8,8 +8,8 @@ module says which schemes a command takes, with the messages the commands print 
   ``decoupled``; not PyTorch's baselines), with train's ``--fsdp`` and ``--diloco``; every option's value is checked
   by building the Compressor (DeMo for ``decoupled``) once, and the scheme comes back with every option spelled out;
 * ``command="netbench"``: ``netbench`` and ``plan`` (codec specs, ``codec:diloco=H``, PyTorch's ``ddp``,
-  ``torch-fp16`` and ``torch-powersgd``, netbench's ``ddp-nosend`` and, with ``--fsdp``, ``fsdp``; not the
-  optimizers that exchange themselves), with ``--fsdp`` and ``--nodes`` (then the schemes of
+  ``torch-fp16`` and ``torch-powersgd``, netbench's ``ddp-nosend``, DeMo's ``decoupled`` and, with ``--fsdp``,
+  ``fsdp``; not ``onebitadam`` nor ``compressed_adam=true``), with ``--fsdp`` and ``--nodes`` (then the schemes of
   :mod:`gradcompress.testbed.netbench_fsdp`); the scheme comes back as given. :func:`check_schemes` checks a list.
 
 Under ``--fsdp`` every codec must be one FSDP's reduce-scatter can carry
@@ -119,16 +119,15 @@ def _refusal(scheme: Scheme, command: str, fsdp: bool, diloco: bool) -> str | No
     """Why ``command`` cannot run ``scheme`` with these flags; None when it can."""
     adam = scheme.kind == ONEBITADAM or scheme.compressed_adam
     if command == NETBENCH:
-        if scheme.kind in (ONEBITADAM, DECOUPLED):
+        if scheme.kind == ONEBITADAM:
             return _unknown(scheme.text, command)
+        if scheme.kind == DECOUPLED and fsdp:
+            return "--fsdp does not apply to decoupled (DeMo averages each worker's unsharded momentum itself)"
         if scheme.compressed_adam:
             return (f"{scheme.text}: compressed_adam=true trains with CompressedAdam, which netbench does not run; "
                     "netbench runs DDP schemes, codec specs and codec:diloco=H")
         if scheme.diloco and fsdp:
             return "DiLoCo schemes do not combine with --fsdp"
-        if scheme.diloco and scheme.outer == "sparseloco":
-            return (f"{scheme.text}: netbench runs DiLoCo with its Nesterov outer update; outer=sparseloco runs in "
-                    "demo and train")
         if fsdp and scheme.kind not in ("ours", AUTO):
             return (f"--fsdp: {scheme.text!r} is a DDP scheme; in FSDP mode the baseline is 'fsdp' and the others "
                     "are gradcompress codec specs")

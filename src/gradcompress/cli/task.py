@@ -81,6 +81,7 @@ class RunConfig:
     diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
     adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
     topology: Any = "auto"  # the Compressor's / optimizer's topology= (an int G: nodes of G workers)
+    eval_every: int = 0  # > 0: rank 0 evaluates every this many steps (lm: validation loss), kept in eval_history
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -295,7 +296,7 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
     scheduler = task.scheduler(opt.inner if isinstance(opt, DiLoCo) else opt, cfg)  # lm: cosine decay
     stats_of = opt.stats if comp is None or cfg.diloco else comp.stats
 
-    losses, cum_bytes, step_times = [], [], []
+    losses, cum_bytes, step_times, history = [], [], [], []
     for step in range(cfg.steps):
         x, y = batches.next()
         start = time.perf_counter()
@@ -315,8 +316,10 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
                                      "lower --lr or change the scheme's options")
         if progress is not None and rank == 0 and ((step + 1) % cfg.progress_every == 0 or step + 1 == cfg.steps):
             progress.put((index, step + 1))
+        if cfg.eval_every and rank == 0 and not cfg.fsdp and (step + 1) % cfg.eval_every == 0:
+            history.append([step + 1, task.metric(model, data)])
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
-                              "step_seconds": step_times, "stats": stats_of()}
+                              "step_seconds": step_times, "stats": stats_of(), "eval_history": history or None}
     if cfg.kind() == "sgd":
         record["stats"]["error_feedback"] = comp.error_feedback
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
@@ -356,6 +359,10 @@ class DigitsTask:
     def evaluate(self, model, data, losses):
         train_loss, acc = evaluate(model, data)
         return {"final_train_loss": train_loss, "test_accuracy": acc}
+
+    def metric(self, model, data) -> float:
+        """What ``eval_every`` records: the test accuracy in percent."""
+        return evaluate(model, data)[1]
 
 
 class LMTask:
@@ -418,6 +425,12 @@ class LMTask:
 
         tail = losses[-20:]
         return {"final_train_loss": sum(tail) / len(tail), "val_loss": lm.validation_loss(model, data["val"])}
+
+    def metric(self, model, data) -> float:
+        """What ``eval_every`` records: the validation loss (rank 0's model: between DiLoCo's syncs, its own)."""
+        from ..testbed import lm
+
+        return lm.validation_loss(model, data["val"])
 
 
 TASKS = {"digits": DigitsTask(), "lm": LMTask()}
@@ -483,6 +496,7 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "final_train_loss": r0["final_train_loss"],
         "test_accuracy": r0.get("test_accuracy"),
         "val_loss": r0.get("val_loss"),
+        "eval_history": r0.get("eval_history"),
         "task": cfg.task,
         "loss": loss,
         "cumulative_bytes": cum if None not in cum else None,

@@ -56,7 +56,7 @@ import sys
 import time
 
 from ..factory import Run, build, one_bucket_mb
-from ..scheme import AUTO, parse_scheme
+from ..scheme import AUTO, DECOUPLED, parse_scheme
 from . import hosts, models, netbench_fsdp
 from .netns import tbf_burst_bytes
 
@@ -78,6 +78,13 @@ def _diloco_h(text: str) -> int:
     if text in (FSDP_BASELINE, NOSEND) or text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):
         return 0
     return parse_scheme(text).diloco or 0
+
+
+def _decoupled(text: str) -> bool:
+    """DeMo (``decoupled:...``): an optimizer that exchanges itself every step (no DDP, no Compressor of its own)."""
+    if text in (FSDP_BASELINE, NOSEND) or text in netbench_fsdp.BASELINES or netbench_fsdp.has_options(text):
+        return False
+    return parse_scheme(text).kind == DECOUPLED
 
 
 # --------------------------------------------------------------------------- the parent
@@ -201,7 +208,7 @@ def _node_figures(text: str, recs: list[dict], shapes: list[tuple], workers: int
         source = "stats"
     elif text == NOSEND:
         inter, source = [0.0] * nodes, "model"
-    elif _diloco_h(text) or text in netbench_fsdp.BASELINES:
+    elif _diloco_h(text) or _decoupled(text) or text in netbench_fsdp.BASELINES:
         inter, source = [None] * nodes, None
     else:
         model = node_uplink_bytes(cost_scheme(text), shapes, nodes, per_node, hierarchical=False,
@@ -219,6 +226,8 @@ def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, buck
 
     if h:
         return "diloco", None
+    if _decoupled(text):
+        return DECOUPLED, None
     if text == NOSEND:
         return NOSEND, 0
     if text == FSDP_BASELINE:
@@ -361,6 +370,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     model = models.build_model(name)
     h = _diloco_h(text)
     net, opt, comp = _setup(cfg, model, text)
+    own = h or _decoupled(text)  # DiLoCo and DeMo keep their own counters (streaming: one Compressor per fragment)
     cap_mb = one_bucket if _ddp_kind(cfg, text, h) == "torch-powersgd" else None
 
     def step() -> float:
@@ -373,9 +383,8 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     warmup, timed = cfg["warmup"], cfg["steps"]
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
-    # DiLoCo's counters are its own (streaming: one Compressor per fragment)
-    record = _timed_steps(cfg["ifname"], step, opt if h else comp, warmup, timed, cfg.get("change"))
-    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, h), auto=comp.stats().get("auto") if comp else None,
+    record = _timed_steps(cfg["ifname"], step, opt if own else comp, warmup, timed, cfg.get("change"))
+    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, own), auto=comp.stats().get("auto") if comp else None,
                   explain=comp.explain() if comp is not None and comp.autopilot is not None else None,
                   error_feedback=_error_feedback(cfg, text, h, comp),
                   bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
@@ -439,8 +448,8 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list 
 
 
 def _bucket_count(cfg: dict, model, net, h: int) -> int:
-    """Buckets a step of the scheme sends: DiLoCo 0 (one outer exchange of every parameter per interval),
-    FSDP its sharded modules, DDP its (rebuilt) buckets."""
+    """Buckets a step of the scheme sends: DiLoCo and DeMo 0 (their own exchanges, no DDP), FSDP its sharded
+    modules, DDP its (rebuilt) buckets."""
     if h:
         return 0
     if cfg.get("fsdp"):
@@ -464,8 +473,9 @@ def _setup(cfg: dict, model, text: str):
         per_node = cfg["workers_per_node"] if layout == "hsdp" else 0
     scheme = None if text is None or (fsdp and text == FSDP_BASELINE) else parse_scheme(text)
     options = {"warmup_steps": COMPRESSOR_WARMUP, "seed": 0, **({} if scheme is None else scheme.compressor)}
+    exchanging = scheme.demo if scheme is not None and scheme.kind == DECOUPLED else {}
     run = Run(optimizer=lambda parameters: torch.optim.SGD(parameters, lr=1e-3), options=options, fsdp=fsdp,
-              per_node=per_node, params=params)
+              per_node=per_node, params=params, exchanging=exchanging)
     return build(scheme, model, run)
 
 
@@ -482,7 +492,7 @@ def _nosend(model):
 def _ddp_kind(cfg: dict, text: str, h: int) -> str | None:
     """The kind of a DDP scheme (``ddp``, ``torch-powersgd``, ``ours``, ...; :data:`NOSEND`), None under FSDP or
     DiLoCo."""
-    if cfg.get("fsdp") or h:
+    if cfg.get("fsdp") or h or _decoupled(text):
         return None
     return NOSEND if text == NOSEND else parse_scheme(text).kind
 
