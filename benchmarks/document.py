@@ -227,28 +227,26 @@ def table(header: list[str], rows: list[list[str]], right: set[int] | None = Non
         ["| " + " | ".join(row) + " |" for row in rows]
 
 
+#: the machine most results were measured on: named once, in "How these tables are made"; others beside their file
+MAIN_MACHINE = "AMD EPYC, 2 cores, Linux 6.18.44-fc-v1272, Python 3.11.7, torch 2.13.0+cpu"
+
+
 def sources(r: Results, names: list[str]) -> list[str]:
-    """Where a table's numbers come from: each file's command and commit, and the machines."""
-    lines = ["", "Measured by (each file's `command` and `commit`; † = both reconstructed afterwards from the git "
-                 "history):", "", "```bash"]
-    machines: dict[str, list[str]] = {}
+    """Where a table's numbers come from: each file's command and commit, one line each (and its machine where it
+    is not :data:`MAIN_MACHINE`)."""
+    lines = ["", "Measured by († = command and commit reconstructed afterwards from the git history):", ""]
     for name in names:
         data = r.get(name)
         mark = " †" if "provenance" in data and "from git history" in data["provenance"] else ""
         when = f", {data['date'][:10]}" if data.get("date") else ""
-        lines.append(f"# {name}.json: commit {data['commit'][:7]}{mark}{when}")
-        lines.append(data["command"])
-        machines.setdefault(data["machine"], []).append(name)
-    lines.append("```")
-    for machine, files in machines.items():
-        which = "" if len(machines) == 1 else " (" + ", ".join(files) + ")"
-        lines.append(f"Machine{which}: {machine}.")
+        machine = "" if data["machine"] == MAIN_MACHINE else f"; {data['machine'].rstrip('.')}"
+        lines.append(f"- `{name}.json` (commit {data['commit'][:7]}{mark}{when}{machine}): `{data['command']}`")
     return lines
 
 
 # Pending results whose format no section renders yet: once recorded, their section says so until one does.
 UNRENDERED = {"randomk_seeds_200",
-              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300", "plan_mlp_1gbit"}
+              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300"}
 
 
 def pending(r: Results, *names: str) -> list[str]:
@@ -978,7 +976,21 @@ def plan_section(r: Results) -> list[str]:
            "([docs/when-it-pays.md](docs/when-it-pays.md)). Compared with a netbench run, given that run's "
            f"measured floor, contention, per-message cost and host payload rate (here `{name}.json`'s):"]
     out += pending(r, "plan_mlp_1gbit")
+    if r.has("plan_mlp_1gbit"):
+        out += plan_table(r.get("plan_mlp_1gbit"), data) + sources(r, ["plan_mlp_1gbit"])
     return out
+
+
+def plan_table(plan: dict, measured: dict) -> list[str]:
+    rows = []
+    for p in plan["predictions"]:
+        m = scheme(measured, p["scheme"])
+        if m is None:
+            continue
+        rows.append([code(p["scheme"]), ms(p["step_s"]), ms(m["median_step_s"]),
+                     times(p["step_s"] / m["median_step_s"]), times(p["speedup"]), times(m["speedup"])])
+    return [""] + table(["scheme", "predicted ms/step", "measured ms/step", "predicted / measured",
+                         "predicted x DDP", "measured x DDP"], rows, right={1, 2, 3, 4, 5})
 
 
 def method_section(r: Results) -> list[str]:
@@ -990,8 +1002,8 @@ def method_section(r: Results) -> list[str]:
            "`python benchmarks/record.py NAME -- COMMAND` runs a command and writes its result that way. Files "
            "marked † were measured before this page was generated: their command was added afterwards from the "
            "git history and the old BENCHMARKS.md, and their commit is the last one that changed the file (the "
-           "code measured was that commit's or one shortly before it); their `provenance` says so. The step "
-           "times come from a shared 2-core machine: compare ratios within one run, not milliseconds across runs. "
+           "code measured was that commit's or one shortly before it); their `provenance` says so. Unless a file says otherwise, the machine "
+           f"was {MAIN_MACHINE}. The step times come from a shared 2-core machine: compare ratios within one run, not milliseconds across runs. "
            "Every earlier table, with the re-runs "
            f"and the issues' targets, is in the [measurement log]({HISTORY}); "
            "`benchmarks/MISSING.md` lists the numbers the README and docs cite that have no result file yet."]
