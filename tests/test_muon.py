@@ -57,7 +57,7 @@ def test_each_part_steps_by_its_own_rule():
     gradient's; AdamW's first step moves every coordinate by lr (m / sqrt(v) = +-1)."""
     lr = 0.01
     model, ref = _toy(), _toy()
-    opt = muon(model, adamw_lr=lr, weight_decay=0.0)
+    opt = muon(model, adamw_lr=lr, weight_decay=0.0, ns_dtype=torch.bfloat16)  # torch's own precision
     hidden = [ref[1].weight]
     rest = [p for n, p in ref.named_parameters() if n != "1.weight"]
     refs = [torch.optim.Muon(hidden, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
@@ -80,6 +80,23 @@ def test_each_part_steps_by_its_own_rule():
     assert float(gsv.max() / gsv.min()) > 5  # the raw gradient is far from orthogonal: the test can fail
     moved = (before[4].weight - model[4].weight).detach().abs()
     assert torch.allclose(moved[moved > 0], torch.full_like(moved[moved > 0], lr), rtol=1e-3)
+
+
+def test_float32_newton_schulz_is_the_same_rule():
+    """The default on CPU (float32 iterations) against torch's bfloat16 ones: the same update up to bfloat16's
+    rounding, and still orthogonalised."""
+    steps = {}
+    for dtype in (None, torch.bfloat16):
+        model = _toy()
+        before = model[1].weight.detach().clone()
+        _step(model, muon(model, adamw_lr=0.01, weight_decay=0.0, ns_dtype=dtype), 1)
+        steps[dtype] = before - model[1].weight.detach()
+    assert not torch.equal(steps[None], steps[torch.bfloat16])  # really computed apart
+    assert float((steps[None] - steps[torch.bfloat16]).norm() / steps[None].norm()) < 0.05
+    sv = torch.linalg.svdvals(steps[None] / (0.01 * 0.2 * 40 ** 0.5))
+    assert 0.5 < float(sv.min()) and float(sv.max()) < 1.5, sv
+    with pytest.raises(ValueError, match="ns_dtype must be"):
+        muon(_toy(), ns_dtype="float32")
 
 
 def test_one_optimizer_to_schedulers_zero_grad_and_checkpoints():

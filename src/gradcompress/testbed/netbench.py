@@ -435,14 +435,14 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list 
     if change is not None:
         reshape(ifname, change[2])
 
-    def delta(key):
-        return None if comp is None else st1[key] - st0[key]
+    def delta(key):  # DeMo's counters lack some of the Compressor's (param_bytes)
+        return None if comp is None or key not in st1 else st1[key] - st0[key]
 
     step_wire = [b - a for a, b in zip([st0["wire_bytes"]] + step_wire, step_wire)] if comp else None
     return {"step_seconds": step_times, "step_wire_bytes": step_wire, "iface_tx_bytes": tx1 - tx0, "wire_bytes": delta("wire_bytes"),
             "inter_node_bytes": delta("inter_node_bytes"), "intra_node_bytes": delta("intra_node_bytes"),
             "param_bytes": delta("param_bytes"),
-            "topology": None if comp is None else st1["topology"]["kind"],
+            "topology": None if comp is None or not st1.get("topology") else st1["topology"]["kind"],
             "codec_seconds": delta("codec_seconds"), "comm_seconds": delta("comm_seconds"),
             "loss": loss if math.isfinite(loss) else None}
 
