@@ -93,6 +93,8 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
     "ftbench_loopback": (f"{RECORD} ftbench_loopback -- python -m gradcompress.testbed.ftbench --hosts 4 --steps 20 "
                          "--warmup 5 --model mlp --json", 3, None),
     "torchft_stall": (f"{RECORD} torchft_stall -- python benchmarks/torchft_stall.py --repeats 3 --json", 3, None),
+    "torchft_faults": (f"{RECORD} torchft_faults -- python benchmarks/torchft_faults.py --repeats 3 --json", 10,
+                       "needs root for the cut link: network namespaces"),
     "demo_faults": (f"{RECORD} demo_faults --from /tmp/ft/faults.json -- gradcompress demo --faults --out /tmp/ft", 3,
                     None),
     "diloco_lm_10mbit": _netbench("diloco_lm_10mbit", "--workers 4 --bandwidth 10mbit --model lm --steps 100 "
@@ -245,8 +247,7 @@ def sources(r: Results, names: list[str]) -> list[str]:
 
 
 # Pending results whose format no section renders yet: once recorded, their section says so until one does.
-UNRENDERED = {"randomk_seeds_200",
-              "lm_auto_any_lr3e-3_300", "digits_auto_any", "hsdp_lm_300"}
+UNRENDERED: set[str] = set()
 
 
 def pending(r: Results, *names: str) -> list[str]:
@@ -529,9 +530,54 @@ def accuracy_tables(r: Results) -> list[str]:
                 "re-measured yet: random-k over 5 seeds ([docs/algorithms.md](docs/algorithms.md)), and the autopilot "
                 "with `budget=any` on both tasks at the demo's defaults ([docs/auto.md](docs/auto.md)):"]
     out += pending(r, "randomk_seeds_200", "lm_auto_any_lr3e-3_300", "digits_auto_any")
+    out += rendered(r, "lm_auto_any_lr3e-3_300", auto_runs_table) + rendered(r, "digits_auto_any", auto_runs_table)
+    out += rendered(r, "randomk_seeds_200", seeds_table)
+    out += sources(r, [n for n in ("lm_auto_any_lr3e-3_300", "digits_auto_any", "randomk_seeds_200") if r.has(n)])
     out += sources(r, ["lm_ddp_lr_sweep_300", "lm_auto_lr1e-2_300", "lm_auto_critical_lr1e-2_300",
                        "lm_auto_allocate_lr1e-2_300", "lm_auto_any_critical_lr1e-2_300", "digits_auto_allocate"])
     return out
+
+
+def auto_runs_table(data: dict) -> list[str]:
+    """A demo run of ``none`` and the autopilot (with a hint) on one task: its plan, loss or accuracy, bytes."""
+    lm = data["task"]["name"] == "lm"
+    none = run(data, "none")
+    rows = []
+    for x in data["runs"]:
+        metric = (f"{x['val_loss']:.4f}", pct(x["val_loss"], none["val_loss"])) if lm else \
+            (f"{x['test_accuracy']:.2f} %", f"{x['test_accuracy'] - none['test_accuracy']:+.2f}")
+        rows.append([code(x["scheme"]), *metric, size(x["bytes_per_step"]),
+                     fewer(none["bytes_per_step"] / x["bytes_per_step"]),
+                     plan_text((x.get("stats") or {}).get("auto"))])
+    what = ("the LM task at the demo's lr 3e-3, 300 steps" if lm else
+            f"digits, {data['task']['steps']} steps")
+    return ["", f"The autopilot with the hint on {what} (`{'lm_auto_any_lr3e-3_300' if lm else 'digits_auto_any'}"
+                ".json`):", ""] + \
+        table(["scheme", "val loss" if lm else "test accuracy", "vs `none`" if lm else "points vs `none`",
+               "bytes/step", "fewer bytes", "auto's plan"], rows, right={1, 2, 3, 4})
+
+
+def seeds_table(data: dict) -> list[str]:
+    """Digits over seeds: each scheme's test accuracy per seed and its worst distance to ``none``."""
+    seeds = sorted({x["seed"] for x in data["runs"]})
+    acc = {(x["scheme"], x["seed"]): x["test_accuracy"] for x in data["runs"]}
+    rows = []
+    for name in data["schemes"]:
+        gaps = [acc[(name, s)] - acc[("none", s)] for s in seeds]
+        rows.append([code(name), *[f"{acc[(name, s)]:.2f}" for s in seeds], f"{min(gaps):+.2f}"])
+    return ["", f"Random-k over seeds (`randomk_seeds_200.json`): digits, 4 workers, {data['optimizer']}, "
+                f"{data['steps']} steps, no warm-up; test accuracy in % per seed (data split, weights, batches and "
+                "codec seeded alike) and the largest drop below `none`:", ""] + \
+        table(["scheme", *[f"seed {s}" for s in seeds], "worst vs `none`"], rows,
+              right=set(range(1, len(seeds) + 2)))
+
+
+def hsdp_lm_table(data: dict) -> list[str]:
+    none = data["runs"][0]
+    rows = [[code(x["scheme"]) + (f", params {x['params']}" if x.get("params") else ""), f"{x['val_loss']:.4f}",
+             pct(x["val_loss"], none["val_loss"]), size(x["bytes_per_step"])] for x in data["runs"]]
+    return [""] + table(["codec (HSDP's replica all-reduce)", "val loss", "vs dense HSDP", "bytes/step"], rows,
+                        right={1, 2, 3})
 
 
 def uplink(s: dict) -> float:
@@ -572,8 +618,8 @@ def fsdp_tables(r: Results) -> list[str]:
                  rows, right={2, 3, 4, 5, 6, 7, 8})
     out += ["", "The LM task under HSDP (2 nodes x 2 workers, 300 steps; dense, int8, int4, int8 with int8 "
                 "parameters):"]
-    out += pending(r, "hsdp_lm_300")
-    out += sources(r, fresh + ["fsdp_nodes_2x4_1gbit"])
+    out += pending(r, "hsdp_lm_300") + rendered(r, "hsdp_lm_300", hsdp_lm_table)
+    out += sources(r, fresh + ["fsdp_nodes_2x4_1gbit"] + (["hsdp_lm_300"] if r.has("hsdp_lm_300") else []))
     return out
 
 
@@ -752,13 +798,27 @@ def faults_section(r: Results) -> list[str]:
         out += _stalls(r.get("torchft_stall"))
     if r.has("demo_faults"):
         out += _demo_faults(r.get("demo_faults"))
-    names = [n for n in ("ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults") if r.has(n)]
+    if r.has("torchft_faults"):
+        out += _fault_kinds(r.get("torchft_faults"))
+    names = [n for n in ("ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults", "torchft_faults")
+             if r.has(n)]
     while out[-1] == "":
         out.pop()
-    out += pending(r, "ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults")
+    out += pending(r, "ftbench_1gbit", "ftbench_loopback", "torchft_stall", "demo_faults", "torchft_faults")
     if names:
         out += sources(r, names)
     return out
+
+
+def _fault_kinds(data: dict) -> list[str]:
+    """The stall of each kind of fault, per scheme: kills, a hang, a cut link."""
+    rows = [[code(c["scheme"]), c["fault"], ", ".join(f"{x:.2f}" for x in c["stall_seconds"]),
+             "yes" if c["replicas_ok"] else "**no**"] for c in data["cases"]]
+    return [f"Each kind of fault ({data['replicas']} replicas, the group's timeout {data['pg_timeout_s']:g} s, the "
+            f"lighthouse's heartbeat timeout {data['heartbeat_timeout_s']:g} s, {data['repeats']} faults in a row "
+            "per row; the stall from the fault to the survivors' first commit of a step after the faulty replica's "
+            "last):", ""] + table(["scheme", "fault", "stalls (s)", "survivors equal, nothing failed committed"],
+                                   rows, right={2}) + [""]
 
 
 def _ftbench(data: dict, where: str) -> list[str]:
