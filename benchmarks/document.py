@@ -341,10 +341,22 @@ def summary(r: Results) -> list[str]:
                f"{uplink(hier) / uplink(flat):.2f} of its flat bytes on the uplink; HSDP with int8 "
                f"{fsdp['int8:layout=hsdp']['x_hsdp']:.3f} of dense HSDP's, plain FSDP with int4 gradients and int8 "
                f"parameters {fsdp['int4:params=int8']['x_fsdp']:.3f} of dense FSDP's.")
-    out.append(f"- **Not re-measured yet** (no result file; each section gives the command, "
-               f"`benchmarks/MISSING.md` what the docs cite from them): {len([n for n in PENDING if not r.has(n)])} "
-               f"results, among them every torchft figure, codec speed and the in-step cost.")
+    if r.has("lm_recipe_900"):
+        out.append(recipe_summary(r, tuned))
+    missing = [n for n in PENDING if not r.has(n)]
+    if missing:
+        out.append("- **Not measured yet** (no result file; each section gives the command): "
+                   + ", ".join(f"`{n}`" for n in missing) + ".")
     return out
+
+
+def recipe_summary(r: Results, tuned: dict) -> str:
+    """The best run of the recipe search at >= 1000x fewer bytes per step than the tuned DDP."""
+    runs = [x for x in r.get("lm_recipe_900")["runs"] if tuned["bytes_per_step"] / x["bytes_per_step"] >= 1000]
+    best = min(runs, key=lambda x: x["val_loss"])
+    return (f"- **Below 1/1000 of DDP's bytes per step** (LM, 900 steps): the best of {len(runs)} configurations, "
+            f"{code(best['scheme'])}, {pct(best['val_loss'], tuned['val_loss'])} against the tuned DDP's 300-step loss "
+            f"at {fewer(tuned['bytes_per_step'] / best['bytes_per_step'])} fewer bytes per step.")
 
 
 def link_table(r: Results) -> list[str]:

@@ -1,5 +1,5 @@
 """Short LM runs of issue #23's schemes through the demo (the full 300/900-step runs are benchmarks: BENCHMARKS.md,
-"Below one bit per coordinate"): DeMo (``decoupled``), 1-bit Adam with local steps, DiLoCo with SparseLoCo's outer
+"DiLoCo, streaming DiLoCo, SparseLoCo, DeMo"): DeMo (``decoupled``), 1-bit Adam with local steps, DiLoCo with SparseLoCo's outer
 gradients, next to DDP, on 2 gloo workers.
 
 What holds at any length: every run learns (validation loss below the uniform 8 bits = ln 256 nats and finite), and
