@@ -586,10 +586,10 @@ def seeds_table(data: dict) -> list[str]:
 
 def hsdp_lm_table(data: dict) -> list[str]:
     none = data["runs"][0]
-    rows = [[code(x["scheme"]) + (f", params {x['params']}" if x.get("params") else ""), f"{x['val_loss']:.4f}",
-             pct(x["val_loss"], none["val_loss"]), size(x["bytes_per_step"])] for x in data["runs"]]
-    return [""] + table(["codec (HSDP's replica all-reduce)", "val loss", "vs dense HSDP", "bytes/step"], rows,
-                        right={1, 2, 3})
+    rows = [[code(x["scheme"]), f"{x['val_loss']:.4f}", pct(x["val_loss"], none["val_loss"]),
+             size(x["bytes_per_step"]), size(x["param_bytes_per_step"])] for x in data["runs"]]
+    return [""] + table(["codec (the replicas' all-reduce)", "val loss", "vs dense HSDP", "gradient bytes/step",
+                         "int8 parameter all-gathers (--params int8)"], rows, right={1, 2, 3, 4})
 
 
 def uplink(s: dict) -> float:
