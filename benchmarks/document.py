@@ -40,7 +40,7 @@ GROWTH_SCHEMES = "ddp;fp16;int8;sign;topk:ratio=0.01;powersgd:rank=1"
 RECIPE_SCHEMES = ("int2:diloco=100,inner=muon;int2:diloco=100;int2:diloco=100,fragments=4,delay=5,inner=muon;"
                   "int2:diloco=100,fragments=4,delay=5;int4:diloco=200;int4:diloco=200,inner=muon;"
                   "none:diloco=100,outer=sparseloco,inner=muon;int2:diloco=200,inner=muon;int2:diloco=50,inner=muon")
-RECIPE = "int2:diloco=100,inner=muon"
+RECIPE = "int2:diloco=100,fragments=4,delay=5,inner=muon"
 DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
 DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
 
