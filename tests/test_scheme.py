@@ -164,7 +164,7 @@ def test_unknown_option_lists_codec_compressor_and_scheme_options():
     msg = str(err.value)
     assert msg.startswith("topk: unknown option 'warmup_steps'; options of topk: values, ratio, chunk; ")
     assert "Compressor options: " + ", ".join(sc.SCHEME_COMPRESSOR_OPTIONS) in msg
-    assert msg.endswith("scheme options: diloco, compressed_adam, outer, outer_lr, fragments, delay, mix")
+    assert msg.endswith("scheme options: diloco, compressed_adam, outer, outer_lr, fragments, delay, mix, inner")
 
 
 @pytest.mark.parametrize("value", BAD_DILOCO)
