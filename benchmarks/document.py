@@ -1078,7 +1078,7 @@ def method_section(r: Results) -> list[str]:
            f"was {MAIN_MACHINE}. The step times come from a shared 2-core machine: compare ratios within one run, not milliseconds across runs. "
            "Every earlier table, with the re-runs "
            f"and the issues' targets, is in the [measurement log]({HISTORY}); "
-           "`benchmarks/MISSING.md` lists the numbers the README and docs cite that have no result file yet."]
+           "`benchmarks/MISSING.md` says which results are still missing and how to record one."]
     if unread:
         out += ["", "Result files no table reads yet: " + ", ".join(f"`{n}.json`" for n in unread) + "."]
     return out
