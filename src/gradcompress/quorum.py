@@ -225,6 +225,9 @@ class Quorum(Coordinator):
         self.settle(final=True)
         comm = self.comm
         comm.failed = self.manager.errored() is not None
+        if comm.failed:  # e.g. the group's configuration failed: it may not even have a size; the step is lost
+            comm.world, comm.rank, self.fresh = 1, 0, False
+            return comm
         comm.world, comm.rank = comm.pg.size(), 0
         outs = comm.members(torch.tensor([self.token, zlib.crc32(self.config.text().encode())], dtype=torch.int64))
         if outs is None:

@@ -183,7 +183,10 @@ def zygote(cfg: dict) -> None:
                 pids[pid] = n
                 _write(os.path.join(where, f"pid{n}"), str(pid))
         while pids:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # every child already reaped
+                break
             if pid == 0:
                 break
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
