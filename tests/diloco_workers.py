@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradcompress.optim import DiLoCo
+from gradcompress.optim import DiLoCo, muon
 from workers import batch, make_model
 
 
@@ -50,13 +50,14 @@ def replicas(rank, world, codec, steps=6, h=3):
     return out, opt.stats()
 
 
-def resume(rank, world, codec, path, steps=8, cut=5, h=3):
-    """A run of ``steps`` against one that saves at ``cut`` (mid-interval) and a fresh one that resumes."""
+def resume(rank, world, codec, path, steps=8, cut=5, h=3, inner="adamw"):
+    """A run of ``steps`` against one that saves at ``cut`` (mid-interval) and a fresh one that resumes; ``inner``:
+    AdamW or ``"muon"`` (:func:`gradcompress.optim.muon`, one lr for both parts)."""
     def build():
         model = make_model()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)
-        return model, DiLoCo(model, inner, sync_every=h, codec=codec), sched
+        inner_opt = muon(model, adamw_lr=1e-2) if inner == "muon" else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(inner_opt, step_size=2, gamma=0.5)
+        return model, DiLoCo(model, inner_opt, sync_every=h, codec=codec), sched
 
     def train(model, opt, sched, start, stop):
         for step in range(start, stop):

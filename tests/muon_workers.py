@@ -86,35 +86,3 @@ def diloco_error_feedback(rank, world, syncs=4, h=3):
     gap = max(float((d + r - t).abs().max()) for d, r, t in zip(sum_delivered, residual, sum_delta))
     scale = max(float(t.abs().max()) for t in sum_delta)
     return gap, scale, contraction, max(float(r.abs().max()) for r in residual)
-
-
-def diloco_resume(rank, world, path, steps=8, cut=5, h=3):
-    """DiLoCo over Muon (int2 outer, an LR schedule inside): a run of ``steps`` against one saved at ``cut``
-    (mid-interval) and resumed by a fresh one."""
-    def build():
-        model = make_model()
-        inner = muon(model, adamw_lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)
-        return model, DiLoCo(model, inner, sync_every=h, codec="int2"), sched
-
-    def train(model, opt, sched, start, stop):
-        for step in range(start, stop):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            sched.step()
-
-    model, opt, sched = build()
-    train(model, opt, sched, 0, steps)
-    full = [p.detach().clone() for p in model.parameters()]
-    model, opt, sched = build()
-    train(model, opt, sched, 0, cut)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, f"{path}.{rank}")
-    model, opt, sched = build()
-    state = torch.load(f"{path}.{rank}", weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    sched.load_state_dict(state["sched"])
-    train(model, opt, sched, cut, steps)
-    return full, [p.detach().clone() for p in model.parameters()], opt.stats()

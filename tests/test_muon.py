@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import diloco_workers as dw
 import muon_workers as mw
 from gradcompress.optim import DiLoCo, muon
 from gradcompress.optim.muon import split_parameters
@@ -175,6 +176,7 @@ def test_muloco_error_feedback_invariant_on_the_outer_deltas():
 
 @pytest.mark.slow
 def test_muloco_resume_mid_interval_is_bit_exact(tmp_path):
-    for full, resumed, stats in launch.run(mw.diloco_resume, 2, str(tmp_path / "ck"), timeout=TIMEOUT):
+    for full, resumed, stats in launch.run(dw.resume, 2, "int2", str(tmp_path / "ck"), 8, 5, 3, "muon",
+                                           timeout=TIMEOUT):
         assert all(torch.equal(a, b) for a, b in zip(full, resumed))
         assert stats["syncs"] == 2 and stats["steps"] == 8
