@@ -113,66 +113,90 @@ def _pilot(spec: str = "auto", **options):
     return pilot
 
 
-def _on_trial(pilot, old: dict, new: dict, old_step: float, new_step: float):
-    """``pilot`` switched from ``old`` to ``new`` at step 1 (a measured decision: a codec trial judged at step 7),
-    its new plan measured at ``new_step`` per step; judged now."""
+MIX = {0: "int4", 1: "int4", 2: "int4", 3: "int4", 4: "int8", 5: "int8"}
+UNIFORM = {k: "int4" for k in range(6)}
+NAMES = {"mix": "int4 x2 buckets, int8 x1 bucket", "uniform": "int4 x3 buckets", "dense": "dense x3 buckets"}
+
+
+def _select(pilot, times: dict, chosen: dict = MIX, uniform: dict = UNIFORM):
+    """``pilot`` decides at step 3 (measured): the model proposes ``chosen``, the best uniform plan is ``uniform``;
+    each block of the selection is measured at ``times[name]`` per step (``NAMES``; as the meter would read it) and
+    judged at its end. The names of the plans the blocks ran, in order."""
     from gradcompress.autopilot.policy import Basis, Check, Decision
-    from gradcompress.autopilot.probation import Choice, CodecTrial
+    from gradcompress.autopilot.probation import Selection
     from gradcompress.collectives import LocalCollectives
 
-    pilot._apply(new)
-    check = Check(1, 0.05, old_step, 1e8, 1e-4, tuple((0.0,) * 4 for _ in SHAPES))
-    pilot.ledger.last = Decision(new, (3, 3, 3), new_step, old_step, (1, 1, 1), check, Basis(0.05, 1e8, 1e-4))
-    pilot.ledger.basis = pilot.ledger.last.basis
-    pilot.probation.begin(CodecTrial(7, Choice.of(old), old_step))
-    pilot.meter.walls.extend([new_step] * 3)
-    pilot._judge(LocalCollectives(1), 7)
+    by_summary = {NAMES[k]: t for k, t in times.items()}
+    check = Check(3, 0.05, 0.1, 1e8, 1e-4, tuple((0.0,) * 4 for _ in SHAPES))
+    pilot._decide(Decision(chosen, (3, 3, 3), 0.05, 0.1, (1, 1, 1), check, Basis(0.05, 1e8, 1e-4), {}, uniform),
+                  0.1)
+    ran = []
+    while isinstance(pilot.probation.state, Selection):
+        ran.append(next(k for k, v in NAMES.items() if v == pilot.summary()))
+        pilot.meter.block = [by_summary[pilot.summary()]] * 2
+        pilot._judge(LocalCollectives(1), pilot.probation.state.at)
+    return ran
 
 
-@pytest.mark.parametrize("new_step, kept", [(0.2, False), (0.104, False), (0.1, False), (0.05, True)])
-def test_the_trial_keeps_more_compression_only_when_measured_faster(new_step, kept):
-    """TRIAL_STEPS after a measured switch to a plan that sends fewer bytes, its measured step is compared with the
-    old plan's: not faster (a tie included), back to the old plan (and the new one is not chosen again until
-    compressing pays more); faster, kept. ``explain()`` says which."""
+@pytest.mark.parametrize("mix, uniform, dense, kept", [
+    (0.05, 0.06, 0.1, "mix"),        # the mix measured fastest, by more than PREFER_SIMPLER
+    (0.0595, 0.06, 0.1, "uniform"),  # a mix within PREFER_SIMPLER of one codec everywhere: the simpler plan
+    (0.2, 0.0995, 0.1, "dense"),     # compression within PREFER_SIMPLER of dense: dense
+    (0.2, 0.05, 0.1, "uniform"),
+    (0.2, 0.3, 0.1, "dense")])
+def test_the_step_decides_among_the_models_plan_the_best_uniform_one_and_dense(mix, uniform, dense, kept):
+    """A measured decision runs the current plan (dense), the model's (a mix), the best uniform plan and dense in
+    blocks of BLOCK_STEPS in the palindromic order current, mix, uniform, uniform, mix, current; the measured fastest
+    stays, a simpler plan within PREFER_SIMPLER of it preferred; the others are not measured again until the
+    measurements move their way; ``explain()`` and ``stats()`` say what was measured."""
     from gradcompress.autopilot.probation import Steady
 
     pilot = _pilot()
-    new = {k: "int4" for k in range(6)}
-    _on_trial(pilot, {}, new, 0.1, new_step)
-    assert isinstance(pilot.probation.state, Steady) and pilot.ledger.last.trial == (0.1, new_step)
-    if kept:
-        assert pilot.choice.chosen == new and pilot.probation.rejected == [] and pilot.ledger.switches == 0
-    else:
-        assert pilot.choice.chosen == {} and pilot.choice.plan.dense and pilot.probation.rejected == [new]
-        assert pilot.ledger.switches == 1
-    assert ("went back" in pilot.explain()) == (not kept) and ("(kept)" in pilot.explain()) == kept
+    times = {"mix": mix, "uniform": uniform, "dense": dense}
+    assert _select(pilot, times) == ["dense", "mix", "uniform", "uniform", "mix", "dense"]
+    assert isinstance(pilot.probation.state, Steady) and pilot.summary() == NAMES[kept]
+    plans = {"mix": MIX, "uniform": UNIFORM, "dense": {}}
+    assert pilot.choice.chosen == plans[kept]
+    assert sorted(str(c) for c, _ in pilot.probation.rejected) == sorted(str(plans[k]) for k in plans if k != kept)
+    assert pilot.stats()["trial"] == [[NAMES[k], times[k]] for k in ("dense", "mix", "uniform")]
+    assert (", not the model's plan)" in pilot.explain()) == (kept != "mix")
+    assert pilot.ledger.switches == 0  # the first decision
 
 
-@pytest.mark.parametrize("new_step, kept", [(0.104, True), (0.2, False)])
-def test_the_trial_keeps_less_compression_unless_clearly_slower(new_step, kept):
-    """A switch to a plan that sends more bytes (int4 -> dense) stays unless measured more than TRIAL_MARGIN (5 %)
-    slower: a tie goes to the plan that compresses less."""
+def test_a_selection_leaves_out_what_was_measured_slower_until_the_measurements_move_its_way():
+    """After int4 everywhere won, dense and the mix (measured slower; both compress less) are measured again only
+    once the link got faster or the compute slower by more than MOVED; after dense won, the compressed plans only
+    once the link got slower or the compute faster; with nothing left to measure against the current plan there is
+    no selection."""
+    from gradcompress.autopilot.probation import Steady
+
     pilot = _pilot()
-    old = {k: "int4" for k in range(6)}
-    pilot._apply(old)
-    _on_trial(pilot, old, {}, 0.1, new_step)
-    assert (pilot.choice.chosen == {}) == kept and (pilot.choice.chosen == old) == (not kept)
+    _select(pilot, {"mix": 0.08, "uniform": 0.05, "dense": 0.1})
+    assert pilot.choice.chosen == UNIFORM
+    assert _select(pilot, {}) == [] and isinstance(pilot.probation.state, Steady)  # nothing new to measure
+    pilot.probation.moved(more=True, less=False)  # the link got slower: what compresses less stays left out
+    assert _select(pilot, {}) == []
+    pilot.probation.moved(more=False, less=True)  # faster: measured again
+    assert _select(pilot, {"mix": 0.06, "uniform": 0.05, "dense": 0.04}) == ["uniform", "mix", "dense", "dense",
+                                                                             "mix", "uniform"]
+    assert pilot.choice.chosen == {} and pilot.ledger.switches == 1
+    pilot.probation.moved(more=False, less=True)
+    assert _select(pilot, {}) == []
+    pilot.probation.moved(more=True, less=False)
+    assert _select(pilot, {"mix": 0.03, "uniform": 0.05, "dense": 0.04})[:3] == ["dense", "mix", "uniform"]
+    assert pilot.choice.chosen == MIX and pilot.ledger.switches == 2
 
 
-def test_the_trial_state_machine():
-    """probation.judge: a codec trial that sends fewer bytes goes back unless faster; one that sends more, only if
-    more than TRIAL_MARGIN slower; a layout trial, if slower at all; a settling plan is never judged."""
-    from gradcompress.autopilot.probation import TRIAL_MARGIN, Choice, CodecTrial, LayoutTrial, Settling, judge
+def test_the_layout_trial_and_settling():
+    """probation.judge: a layout trial goes back if the other layout measured slower; a settling plan is never
+    judged."""
+    from gradcompress.autopilot.probation import Choice, LayoutTrial, Settling, judge
 
     old = Choice.of({})
-    assert judge(CodecTrial(7, old, 0.1), 0.1, fewer_bytes=True).back
-    assert not judge(CodecTrial(7, old, 0.1), 0.099, fewer_bytes=True).back
-    assert not judge(CodecTrial(7, old, 0.1), 0.1 * (1 + TRIAL_MARGIN) * 0.999, fewer_bytes=False).back
-    assert judge(CodecTrial(7, old, 0.1), 0.1 * (1 + TRIAL_MARGIN) * 1.001, fewer_bytes=False).back
-    assert judge(LayoutTrial(7, old, 0.1), 0.1001, fewer_bytes=False).back
-    verdict = judge(Settling(7, old), 5.0, fewer_bytes=True)
+    assert judge(LayoutTrial(7, old, 0.1), 0.1001).back and not judge(LayoutTrial(7, old, 0.1), 0.0999).back
+    verdict = judge(Settling(7, old), 5.0)
     assert not verdict.back and verdict.kept == 5.0
-    assert judge(CodecTrial(7, old, 0.1), 0.0, fewer_bytes=True).back is False  # unmeasured: nothing to judge
+    assert judge(LayoutTrial(7, old, 0.1), 0.0).back is False  # unmeasured: nothing to judge
 
 
 def test_calibration_cache_runs_nothing_the_second_time(tmp_path, monkeypatch):

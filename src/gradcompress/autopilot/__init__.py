@@ -4,9 +4,10 @@ The first ``max(warmup_steps, 3)`` steps are dense and measured; then at that st
 on every rank at the same step: each rank measures (:mod:`.measure`: the compute time, the current plan's step time,
 the link by probes unless ``bandwidth=`` is given, the codecs' cost on its buckets once per machine,
 :mod:`.calibration`), every rank's numbers are gathered, and the policy (:mod:`.policy`, pure) decides again if
-nothing was decided yet or the link or the compute moved by 25 %. A switch is on probation (:mod:`.probation`): a
-few steps later its measured step time is compared with the old plan's, and a plan that sends fewer bytes stays only
-if measured faster. Where the session has nodes, flat and hierarchical are measured against each other the same way.
+nothing was decided yet or the link or the compute moved by 25 %. The model proposes, the step decides
+(:mod:`.probation`): the current plan, the model's best, the best uniform plan of the budget and dense each run a
+few blocks of steps, interleaved, on every rank at the same steps, and the measured fastest stays. Where the session
+has nodes, flat and hierarchical are then measured against each other.
 
 The parts: :class:`~.pilot.Autopilot` (the coordinator of steps, :mod:`gradcompress.terms`), :mod:`.measure`,
 :mod:`.policy`, :mod:`.probation`, :mod:`.decide` (the cost model's choice per bucket), :mod:`.allocate`,
@@ -21,7 +22,7 @@ from ..terms import Fixed
 from .measure import PROBE_EVERY
 from .pilot import MEASURE_STEPS, Autopilot
 from .policy import MOVED
-from .probation import LAYOUTS, TRIAL_MARGIN, TRIAL_STEPS
+from .probation import BLOCK_STEPS, LAYOUTS, PREFER_SIMPLER, TRIAL_STEPS
 
 
 def coordinator_for(compressor):
@@ -30,5 +31,5 @@ def coordinator_for(compressor):
     return Autopilot(config, compressor.state, session) if config.auto is not None else Fixed(config, session)
 
 
-__all__ = ["Autopilot", "LAYOUTS", "MEASURE_STEPS", "MOVED", "PROBE_EVERY", "TRIAL_MARGIN", "TRIAL_STEPS",
+__all__ = ["Autopilot", "BLOCK_STEPS", "LAYOUTS", "MEASURE_STEPS", "MOVED", "PREFER_SIMPLER", "PROBE_EVERY", "TRIAL_STEPS",
            "coordinator_for"]

@@ -38,6 +38,8 @@ PROBE_SHARE = 300
 PROBE_EVERY = 5
 #: a change of the plan's step time since the last probe that makes the autopilot probe again
 MOVED = 0.25
+#: a change of the time waiting on collectives counts when it is at least this share of the step too
+WAIT_FLOOR = 0.05
 
 
 class Meter:
@@ -50,6 +52,10 @@ class Meter:
         self.compute: collections.deque = collections.deque(maxlen=8)
         #: the last whole steps of the current plan (not its first step): the in-step probe, and the trial's measure
         self.walls: collections.deque = collections.deque(maxlen=5)
+        #: the same steps' time waiting on collectives (what a change of the link moves first)
+        self.waits: collections.deque = collections.deque(maxlen=5)
+        #: the counted steps since :meth:`start_block` (a selection's block)
+        self.block: list = []
         self._plan = None  # the plan those steps ran
         self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
@@ -72,8 +78,11 @@ class Meter:
             self.compute.append(max(wall - waited - prev.codec_seconds, 0.0))
             if prev.plan is self._plan:
                 self.walls.append(wall)
+                self.waits.append(waited)
+                self.block.append(wall)
             else:  # a new plan: its first step is not counted (the switch, fresh buffers)
                 self.walls.clear()
+                self.waits.clear()
                 self._plan = prev.plan
         self._mark, self.excluded = (now, comm.comm_seconds), 0.0
 
@@ -83,6 +92,17 @@ class Meter:
     def step_s(self) -> float:
         """The median time of the last steps of the current plan (0: none measured yet)."""
         return statistics.median(self.walls) if self.walls else 0.0
+
+    def wait_s(self) -> float:
+        """The median time the same steps waited on their collectives (0: none measured yet)."""
+        return statistics.median(self.waits) if self.waits else 0.0
+
+    def start_block(self) -> None:
+        self.block = []
+
+    def block_s(self) -> float:
+        """The median time of the counted steps since :meth:`start_block` (0: none)."""
+        return statistics.median(self.block) if self.block else 0.0
 
     def exclude(self, seconds: float) -> None:
         """The autopilot's own ``seconds`` inside the current step (a check): not the step's compute."""
@@ -124,27 +144,35 @@ class Meter:
 
 class Prober:
     """When the link is probed again (without a ``bandwidth=`` hint): at the first check, then only when the current
-    plan's measured step time moved by more than :data:`MOVED` since the last probe, or every :data:`PROBE_EVERY`
-    checks; in between the last probe's numbers stand (the step's own time is the passive probe).
-    ``reference_step``: the current plan's step time when the link was last probed (or a trial measured it)."""
+    plan's measured step time moved by more than :data:`MOVED` since the last probe, or its time waiting on the
+    collectives moved by more than :data:`MOVED` and by more than :data:`WAIT_FLOOR` of the step (a compressed
+    plan's step hardly moves when the link drops; its wait does), or every :data:`PROBE_EVERY` checks; in between
+    the last probe's numbers stand (the step's own time is the passive probe). ``reference``: the current plan's
+    (step, wait) times when the link was last probed (or a selection measured it)."""
 
     def __init__(self) -> None:
-        self.reference_step = 0.0
+        self.reference = (0.0, 0.0)
         self.unprobed = 0  # checks since the last probe
         self.link: tuple[float, float] | None = None  # the last probe's (bandwidth, alpha), combined over ranks
 
-    def due(self, step_s: float) -> bool:
-        """Whether this check probes (every rank alike: ``step_s`` is the gathered step time)."""
-        ref, self.unprobed = self.reference_step, self.unprobed + 1
+    def due(self, step_s: float, wait_s: float = 0.0) -> bool:
+        """Whether this check probes (every rank alike: ``step_s``, ``wait_s`` are gathered)."""
+        (ref, ref_wait), self.unprobed = self.reference, self.unprobed + 1
         steady = ref > 0 and step_s > 0 and abs(step_s - ref) <= MOVED * ref
+        if ref_wait is None:  # measured by a selection: this check's wait is the reference
+            self.reference = (ref, wait_s)
+        else:
+            waited = abs(wait_s - ref_wait)
+            steady = steady and not (waited > MOVED * ref_wait and waited > WAIT_FLOOR * step_s)
         return not (self.link is not None and steady and self.unprobed < PROBE_EVERY)
 
-    def probed(self, step_s: float, link: tuple[float, float]) -> None:
-        self.reference_step, self.unprobed, self.link = step_s, 0, link
+    def probed(self, step_s: float, link: tuple[float, float], wait_s: float = 0.0) -> None:
+        self.reference, self.unprobed, self.link = (step_s, wait_s), 0, link
 
     def measured(self, step_s: float) -> None:
-        """The plan kept after a trial took ``step_s``: what the next checks' steps are compared with."""
-        self.reference_step = step_s
+        """The plan kept after a selection (or a trial) took ``step_s``: what the next checks compare with (and the
+        next check's wait)."""
+        self.reference = (step_s, None)
 
 
-__all__ = ["Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS"]
+__all__ = ["Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS", "WAIT_FLOOR"]

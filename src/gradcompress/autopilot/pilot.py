@@ -9,6 +9,7 @@ what happens when.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 
 from ..collectives import LocalCollectives
@@ -21,7 +22,8 @@ from .calibration import Cache
 from .decide import record
 from .measure import Meter, Prober
 from .policy import Basis, Check, Context, Decision, Regime, allocatable, decide, review
-from .probation import LAYOUTS, TRIAL_STEPS, Choice, CodecTrial, LayoutTrial, Probation, Settling, Steady, judge
+from .probation import (LAYOUTS, TRIAL_STEPS, Choice, LayoutTrial, Probation, Selection, Settling, Steady, judge,
+                        pick)
 
 log = logging.getLogger("gradcompress.auto")
 #: dense, measured steps before the first decision (at least; ``warmup_steps`` may ask for more)
@@ -44,17 +46,29 @@ class Ledger:
 
 class Costs:
     """What each candidate costs on each bucket (:func:`.decide.record`), for the buckets' keys it was recorded for;
-    entries the calibration ``cache`` holds are not run again."""
+    entries the calibration ``cache`` holds are not run again. ``digest()``: the recorded bytes as one number (48
+    bits, exact in a float64), compared across ranks: a rank whose cache disagrees makes every rank record afresh."""
 
     def __init__(self, cache: Cache):
         self.cache = cache
         self.table: list | None = None  # [bucket][candidate] recorded options
         self.keys: list | None = None
+        self.recalibrated = 0  # times the ranks' recorded bytes disagreed and every rank recorded without the cache
 
     def of(self, config, world: int, buckets) -> list:
         keys = [b.keys for b in buckets]
         if self.table is None or self.keys != keys:
             self.table, self.keys = record(config, world, buckets, config.auto.candidates, self.cache), keys
+        return self.table
+
+    def digest(self) -> float:
+        rounds = repr([[o.rounds for o in row] for row in self.table or []])
+        return float(int(hashlib.sha256(rounds.encode()).hexdigest()[:12], 16))
+
+    def afresh(self, config, world: int, buckets) -> list:
+        """Record every candidate again, the cache neither read nor written (every rank alike)."""
+        self.recalibrated += 1
+        self.table, self.keys = record(config, world, buckets, config.auto.candidates, None), [b.keys for b in buckets]
         return self.table
 
 
@@ -89,6 +103,8 @@ class Autopilot(Coordinator):
         meter.step_started(comm)
         due = index >= self.first and (index - self.first) % self.options.every == 0
         trial = self.probation.due(index)
+        selecting = isinstance(self.probation.state, Selection)  # a check waits while plans are measured
+        due = due and not selecting
         if (due or trial) and meter.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
             start = meter.clock()
             if trial:  # a check due now waits for the next: the trial decides this step
@@ -111,14 +127,20 @@ class Autopilot(Coordinator):
         last = meter.record
         sample = last.sample if last is not None else None
         keys = allocatable(buckets, self.config.min_numel) if sample is not None else []
-        fields = {"compute": [meter.compute_s()], "step": [meter.step_s()],
-                  "codec": [o.codec_s for row in costs for o in row],
+        fields = {"compute": [meter.compute_s()], "step": [meter.step_s()], "wait": [meter.wait_s()],
+                  "digest": [self.costs.digest()], "codec": [o.codec_s for row in costs for o in row],
                   "norm": [float(last.norm_sq)] if last is not None and last.norm_sq is not None else [],
                   "errors": errors(sample, keys) if keys else []}
         got = meter.gather(comm, fields, buckets[0].device)
+        if (got["digest"] != got["digest"][0]).any():  # a rank's cache disagrees: every rank records afresh
+            log.warning("gradcompress auto: step %d: the ranks' recorded bytes disagree (a stale calibration cache?); "
+                        "every rank records its candidates again without the cache", index)
+            costs = self.costs.afresh(self.config, comm.world, buckets)
+            got["codec"] = meter.gather(comm, {"codec": [o.codec_s for row in costs for o in row]},
+                                        buckets[0].device)["codec"]
         turned = bool(fields["norm"]) and self._observe(got["norm"].sum().item() ** 0.5)
         compute, step_s = got["compute"].max().item(), got["step"].max().item()
-        bandwidth, alpha = self._link(comm, buckets[0].device, step_s)
+        bandwidth, alpha = self._link(comm, buckets[0].device, step_s, got["wait"].max().item())
         codec = got["codec"].max(0).values.view(-1, len(options.candidates)).tolist()
         err = got["errors"].sum(0).view(len(keys), len(LEVELS)) if keys else None
         plan = self.choice.plan
@@ -127,8 +149,8 @@ class Autopilot(Coordinator):
         ctx = self._context()
         seen = review(self.check, ctx, turned)
         if seen.decide:
-            if seen.measured:  # the link or the compute changed: the layouts are compared again, and a plan the
-                self.probation.moved(seen.forget)  # trial sent back may be right now if compressing pays more
+            if seen.measured:  # the link or the compute changed: the layouts are compared again, and a plan a
+                self.probation.moved(seen.more, seen.less)  # selection measured slower may be right now
             self.ledger.fitted = seen.fitted
             self._decide(decide(self.check, dataclasses.replace(ctx, fitted=seen.fitted)), step_s, tried=not turned)
         if isinstance(self.probation.state, Steady):
@@ -148,35 +170,46 @@ class Autopilot(Coordinator):
         return Context(self.costs.table, self.meter.buckets, self.options, self.config.min_numel, self.meter.hooked,
                        ledger.basis, ledger.fitted, tuple(self.probation.rejected), self.regime.critical)
 
-    def _link(self, comm, device, step_s: float) -> tuple[float, float]:
+    def _link(self, comm, device, step_s: float, wait_s: float = 0.0) -> tuple[float, float]:
         """(payload bandwidth, alpha): the hint; or, where the prober says so, probed by every rank together (their
         numbers combined: the slowest link, the largest latency); else the last probe's, sending nothing."""
         if self.options.bandwidth is not None:
             return payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
-        if not self.prober.due(step_s):
+        if not self.prober.due(step_s, wait_s):
             return self.prober.link
         probe = self.meter.link(comm, self.traffic() * self.options.every, device)
         got = self.meter.gather(comm, {"bandwidth": [probe[0]], "alpha": [probe[1]]}, device)
         link = (got["bandwidth"].min().item(), got["alpha"].max().item())
-        self.prober.probed(step_s, link)
+        self.prober.probed(step_s, link, wait_s)
         return link
 
     # ---------------------------------------------------------------- deciding and trying
     def _decide(self, decision: Decision, step_s: float, tried: bool = True) -> None:
-        """Take ``decision``; switch if its plan differs from the current one (unless the trial rejected that plan
-        since the measurements last moved); ``step_s``: the current plan's measured step, what a switch is judged
-        against :data:`~.probation.TRIAL_STEPS` steps later."""
+        """Take ``decision``. Measured (no ``bandwidth=`` hint; ``tried``: not a change of regime): the current plan,
+        the model's, the best uniform one and dense are measured against each other (a :class:`Selection`), those a
+        selection measured slower left out until the measurements move their way. Told: switch to the model's plan
+        if it differs from the current one (measured for the layouts' comparison where there are nodes);
+        ``step_s``: the current plan's measured step."""
         ledger, index = self.ledger, decision.check.index
         ledger.basis, ledger.last, ledger.decisions = decision.basis, decision, ledger.decisions + 1
+        if self.options.bandwidth is None and tried:
+            plans = self._proposals(decision)
+            if len(plans) > 1:
+                self.probation.begin(Selection.begin(index, plans))
+                self.meter.start_block()
+                log.info("gradcompress auto: step %d: measuring %s (the model predicted %.4g s/step for its plan, "
+                         "dense %.4g s; link %s payload, latency %.3g ms, compute %.4g s)", index,
+                         "; ".join(self.summary(p) for p in plans), decision.predicted_s, decision.dense_s,
+                         format_rate(8 * decision.basis.bandwidth), 1e3 * decision.basis.alpha,
+                         decision.basis.compute_s)
+            ledger.decided_at = index
+            return
         chosen = dict(decision.chosen)
-        if chosen != self.choice.chosen and chosen not in self.probation.rejected:
+        if chosen != self.choice.chosen and not self.probation.is_rejected(chosen):
             if ledger.decided_at is not None:
                 ledger.switches += 1
-            # measured, not told: the switch is tried against the old plan; told: its step time is measured for
-            # the layouts' comparison (where there are nodes)
             if self.options.bandwidth is None or self._layouts():
-                kind = CodecTrial if self.options.bandwidth is None and tried else Settling
-                self.probation.begin(kind(index + TRIAL_STEPS, self.choice, step_s))
+                self.probation.begin(Settling(index + TRIAL_STEPS, self.choice, step_s))
             self._apply(chosen)
             log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
                      "latency %.3g ms, compute %.4g s)", index, self.summary(), decision.predicted_s,
@@ -184,20 +217,55 @@ class Autopilot(Coordinator):
                      decision.basis.compute_s)
         ledger.decided_at = index
 
+    def _proposals(self, decision: Decision) -> list[Choice]:
+        """The plans a selection measures: the current one first, then the model's, the best uniform one and dense
+        (each once; those a selection measured slower left out)."""
+        plans = [self.choice]
+        for chosen in (decision.chosen, decision.uniform, {}):
+            chosen = dict(chosen)
+            if all(p.chosen != chosen for p in plans) and not self.probation.is_rejected(chosen):
+                plans.append(Choice.of(chosen, self.choice.layout))
+        return plans
+
+    def _measure_block(self, comm, index: int, selection: Selection) -> None:
+        """A block of ``selection`` ended at step ``index``: its measure (the slowest rank's median step); the next
+        block's plan, or the plan kept."""
+        got = self.meter.gather(comm, {"step": [self.meter.block_s()]}, self.meter.buckets[0].device)
+        selection = selection.measured(got["step"].max().item())
+        self.meter.start_block()
+        if not selection.done:
+            self.probation.begin(selection)
+            nxt = selection.plans[selection.running]
+            if nxt.chosen != self.choice.chosen:
+                self._apply(nxt.chosen)
+            return
+        plans, means = selection.plans, selection.means()
+        keys = {k for b in self.meter.buckets for k in b.keys}
+        k = pick(plans, means, lambda c: set(c.chosen) == keys)
+        kept, ledger = plans[k], self.ledger
+        ledger.last = dataclasses.replace(ledger.last, trial=tuple((self.summary(p), t) for p, t in zip(plans, means)),
+                                          trial_back=dict(kept.chosen) != dict(ledger.last.chosen))
+        traffic = self.traffic(kept.chosen)
+        self.probation.rejected += [(dict(p.chosen), self.traffic(p.chosen) < traffic) for p in plans if p is not kept]
+        if kept.chosen != plans[0].chosen and ledger.decisions > 1:
+            ledger.switches += 1
+        if kept.chosen != self.choice.chosen:
+            self._apply(kept.chosen)
+        log.info("gradcompress auto: step %d: kept %s (measured: %s)", index, self.summary(),
+                 ", ".join(f"{self.summary(p)} {t:.4g} s/step" for p, t in zip(plans, means)))
+        self.prober.measured(means[k])
+        self._try_layout(index, means[k])
+
     def _judge(self, comm, index: int) -> None:
-        """The trial of the last switch: the new plan's measured steps against the old plan's; then, where the
-        session has nodes and they are still to be compared, the other layout's trial."""
+        """The end of a selection's block, or of a layout's trial (the other layout's measured steps against the
+        old's) or of a settling plan; then, where the session has nodes and they are still to be compared, the other
+        layout's trial."""
         trial = self.probation.end()
+        if isinstance(trial, Selection):
+            return self._measure_block(comm, index, trial)
         new_step = self.meter.gather(comm, {"step": [self.meter.step_s()]}, self.meter.buckets[0].device)
-        fewer = isinstance(trial, CodecTrial) and self.traffic() < self.traffic(trial.old.chosen)
-        verdict = judge(trial, new_step["step"].max().item(), fewer)
-        if isinstance(trial, CodecTrial):
-            ledger = self.ledger
-            ledger.last = dataclasses.replace(ledger.last, trial=(verdict.old_step, verdict.new_step),
-                                              trial_back=verdict.back)
-            if verdict.back:
-                self.probation.rejected.append(dict(self.choice.chosen))
-        elif isinstance(trial, LayoutTrial):
+        verdict = judge(trial, new_step["step"].max().item())
+        if isinstance(trial, LayoutTrial):
             self.probation.layout_times = {trial.old.layout: verdict.old_step, self.choice.layout: verdict.new_step}
         if verdict.back:
             self.ledger.switches += 1
@@ -282,10 +350,10 @@ class Autopilot(Coordinator):
         self.regime = Regime(tuple(float(n) for n in state.get("norms", [])), bool(state.get("critical", False)),
                              int(state.get("regimes", 0)))
 
-    def summary(self) -> str:
-        """The plan in words: codec and number of buckets."""
-        counts: dict = {}
+    def summary(self, choice: Choice | None = None) -> str:
+        """The plan (default the current) in words: codec and number of buckets."""
+        chosen, counts = (self.choice if choice is None else choice).chosen, {}
         for b in self.meter.buckets:
-            spec = "+".join(sorted({self.choice.chosen.get(k, "none") for k in b.keys})) if b.keys else "none"
+            spec = "+".join(sorted({chosen.get(k, "none") for k in b.keys})) if b.keys else "none"
             counts[spec] = counts.get(spec, 0) + 1
         return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())

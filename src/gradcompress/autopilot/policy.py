@@ -6,10 +6,12 @@ what the trial sent back), so every rank decides alike.
 
 * **When to decide** (:func:`review`): at the first check; whenever the compute time or the probed link moved by
   more than :data:`MOVED` since the last decision; when the regime changed (``critical=``); or when the dense steps'
-  fit of the link (overlap, share) moved by more than :data:`MOVED` while no plan stands rejected.
+  fit of the link (overlap, share) moved by more than :data:`MOVED` while no plan stands rejected (a selection's
+  loser).
 * **What** (:func:`decide`): the cost model's choice per bucket (:func:`.decide.choose`) among the budget's
   candidates (fewer in a critical regime), with the per-tensor allocation of the int4 buckets where asked
-  (``allocate=true``, :mod:`.allocate`).
+  (``allocate=true``, :mod:`.allocate`), and the best uniform plan (:func:`best_uniform`): the proposals the
+  selection (:mod:`.probation`) measures against each other and dense.
 * **The regime** (:class:`Regime`): Accordion's detector on the gradient norm at the checks.
 """
 
@@ -21,7 +23,7 @@ from typing import Mapping
 import torch
 
 from .allocate import LEVELS, REFERENCE, allocate, payload_bytes
-from .decide import Link, choose, fit_link
+from .decide import Link, choose, fit_link, predict
 
 #: a change of the link rate or the compute time that makes the autopilot decide again
 MOVED = 0.25
@@ -79,8 +81,10 @@ class Context:
 class Decision:
     """A decision: ``chosen`` (key -> spec of every key it compresses), the cost model's ``choice`` (candidate index
     per bucket) with its ``predicted_s`` and the all-dense ``dense_s``, the ``check`` it came from, its ``basis``,
-    the per-tensor ``allocation`` summary (``allocate=true``), and the trial's verdict once judged (``trial``: the
-    old and the new plan's step time; ``trial_back``)."""
+    the per-tensor ``allocation`` summary (``allocate=true``), ``uniform`` (key -> spec: the budget's best *uniform*
+    compressed plan, one codec on every bucket, by the model; measured against ``chosen`` and dense, empty where no
+    codec can carry every bucket), and once measured ``trial`` ((plan in words, measured s/step) per plan the
+    selection measured) with ``trial_back`` (the kept plan is not the model's)."""
 
     chosen: Mapping
     choice: tuple
@@ -90,6 +94,7 @@ class Decision:
     check: Check
     basis: Basis
     allocation: Mapping = dataclasses.field(default_factory=dict)
+    uniform: Mapping = dataclasses.field(default_factory=dict)
     trial: tuple | None = None
     trial_back: bool = False
 
@@ -97,11 +102,13 @@ class Decision:
 @dataclasses.dataclass(frozen=True)
 class Review:
     """What a check calls for: ``decide`` (choose again), ``measured`` (the measurements moved: the layouts are to
-    be compared again), ``forget`` (the plans the trial sent back may be right now) and the new ``fitted``."""
+    be compared again), ``more``/``less`` (compressing more/less may pay now: the plans a selection measured slower
+    that compressed more/less than the one kept are measured again) and the new ``fitted``."""
 
     decide: bool
     measured: bool
-    forget: bool
+    more: bool
+    less: bool
     fitted: tuple
 
 
@@ -143,6 +150,13 @@ def favours_compression(basis: Basis, share: float, compute: float, bandwidth: f
     return bandwidth < (1 - MOVED) * b0 or compute < (1 - MOVED) * c0
 
 
+def favours_less(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
+    """Whether the link got faster or the compute slower by more than :data:`MOVED` since the decision: only then is
+    a plan that compressed less than the one kept (and was measured slower) measured again."""
+    c0, b0 = decided_on(basis, share)
+    return bandwidth > (1 + MOVED) * b0 or compute > (1 + MOVED) * c0
+
+
 def refitted(new: tuple, old: tuple) -> bool:
     """Whether the dense steps' fit (overlap, share) moved by more than :data:`MOVED`."""
     return abs(new[0] - old[0]) > MOVED or abs(new[1] - old[1]) > MOVED * old[1]
@@ -156,10 +170,11 @@ def review(check: Check, ctx: Context, regime_changed: bool) -> Review:
                           1.0 if ctx.hooked else 0.0, list(check.codec), check.dense_step_s)
     share = ctx.fitted[1]
     measured = ctx.basis is None or moved(ctx.basis, share, check.compute_s, check.bandwidth)
-    forget = measured and (ctx.basis is None or favours_compression(ctx.basis, share, check.compute_s,
-                                                                    check.bandwidth))
+    first = ctx.basis is None
+    more = first or favours_compression(ctx.basis, share, check.compute_s, check.bandwidth)
+    less = first or favours_less(ctx.basis, share, check.compute_s, check.bandwidth)
     again = measured or regime_changed or (refitted(fitted, ctx.fitted) and not ctx.rejected)
-    return Review(again, measured, forget, fitted)
+    return Review(again, measured, more, less, fitted)
 
 
 def decide(check: Check, ctx: Context) -> Decision:
@@ -176,8 +191,25 @@ def decide(check: Check, ctx: Context) -> Decision:
     allocation: dict = {}
     if err is not None:
         chosen, allocation = _allocated(chosen, ctx.buckets, list(keys), err)
+    uniform = best_uniform(ctx, link, check, [c for c in allowed if c])
     return Decision(chosen, tuple(choice), predicted, dense, tuple(sizes), check,
-                    Basis(check.compute_s, link.bandwidth, link.alpha), allocation)
+                    Basis(check.compute_s, link.bandwidth, link.alpha), allocation, uniform)
+
+
+def best_uniform(ctx: Context, link: Link, check: Check, allowed: list) -> dict:
+    """The compressed plan with one codec (of ``allowed`` candidate indices) on every bucket that the model predicts
+    fastest (key -> spec; ``{}`` where no candidate can carry every bucket)."""
+    overlap = ctx.fitted[0] if ctx.hooked else 0.0
+    n, best, pick = len(ctx.buckets), float("inf"), None
+    for c in allowed:
+        if any(row[c].codec_s == float("inf") for row in ctx.costs):
+            continue
+        t = predict([c] * n, ctx.costs, ctx.sizes, link, check.compute_s, overlap, list(check.codec))
+        if t < best:
+            best, pick = t, c
+    if pick is None:
+        return {}
+    return {k: ctx.options.candidates[pick] for b in ctx.buckets for k in b.keys}
 
 
 def allocatable(buckets, min_numel: int) -> list:
@@ -205,5 +237,5 @@ def _allocated(chosen: dict, buckets, keys: list, err: torch.Tensor) -> tuple[di
     return out, summary
 
 
-__all__ = ["Basis", "Check", "Context", "Decision", "MOVED", "Regime", "Review", "allocatable", "decide",
-           "decided_on", "favours_compression", "moved", "refitted", "review"]
+__all__ = ["Basis", "Check", "Context", "Decision", "MOVED", "Regime", "Review", "allocatable", "best_uniform", "decide",
+           "decided_on", "favours_compression", "favours_less", "moved", "refitted", "review"]

@@ -1,18 +1,23 @@
 """A switch on probation: the autopilot's trial, as an explicit state machine (one type per state).
 
 The model proposes, the step decides. A plan is a :class:`Choice` (key -> codec spec, and the layout: flat or
-hierarchical). After a switch the new plan runs for :data:`TRIAL_STEPS` steps and is judged on its measured step
-time (:func:`judge`); the states:
+hierarchical). The states:
 
 * :class:`Steady`: nothing on probation;
-* :class:`CodecTrial`: the model's proposal (measured, no ``bandwidth=`` hint): back to the old plan if it sends
-  fewer bytes and is not faster, or sends more and is more than :data:`TRIAL_MARGIN` slower;
-* :class:`LayoutTrial`: the same codecs on the other layout (where there are nodes): the faster layout stays;
-* :class:`Settling`: a decision told by ``bandwidth=`` (nothing judged), measured for the layouts' comparison.
+* :class:`Selection`: a measured decision (no ``bandwidth=`` hint): the current plan, the model's best, the best
+  uniform plan of the budget and dense each run for blocks of :data:`BLOCK_STEPS` steps, in the palindromic order
+  current, others..., others reversed..., current (a drift of the machine's speed favours none), on every rank at
+  the same steps; each block's median step (the slowest rank's) is its measure, a plan's time the mean of its two
+  blocks; the fastest stays (:func:`pick`: a simpler plan within :data:`PREFER_SIMPLER` of the fastest is preferred:
+  dense, then one codec everywhere, then a per-bucket mix);
+* :class:`LayoutTrial`: the same codecs on the other layout (where there are nodes), :data:`TRIAL_STEPS` steps: the
+  faster layout stays;
+* :class:`Settling`: a decision told by ``bandwidth=`` or a change of regime (nothing judged), measured for the
+  layouts' comparison.
 
-:class:`Probation` holds the state and what the trials taught: whether the layouts are still to be compared since
-the measurements last moved, the last layout comparison, and the plans the trial sent back (not proposed again
-until compressing pays more).
+:class:`Probation` holds the state and what the selections taught: whether the layouts are still to be compared
+since the measurements last moved, the last layout comparison, and the plans a selection measured slower (not
+measured again until the measurements move the way that could make them faster).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from ..spec import make
 
 #: steps after a switch at which the new plan's step time is compared with the old's
 TRIAL_STEPS = 6
-#: the trial goes back only when the new plan measured this much slower than the old (a step's time varies by more
-#: than the model's margin between close plans; a clearly slower plan is what the trial is for)
-TRIAL_MARGIN = 0.05
 LAYOUTS = ("flat", "hierarchical")
+#: a selection keeps a simpler plan measured within this share of the fastest (dense before compression, one codec
+#: before a mix: the same bytes' effect for fewer surprises; a step's time varies by more than this between blocks)
+PREFER_SIMPLER = 0.02
+#: steps each plan of a selection runs per block (the first after a switch is not counted: the switch itself)
+BLOCK_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +63,6 @@ class Steady:
 
 
 @dataclasses.dataclass(frozen=True)
-class CodecTrial:
-    """The model's switch, judged at step ``at`` against ``old`` and its measured step time ``old_step``."""
-
-    at: int
-    old: Choice
-    old_step: float
-
-
-@dataclasses.dataclass(frozen=True)
 class LayoutTrial:
     """The other layout, judged at step ``at`` against ``old`` (the same codecs) and its step time ``old_step``."""
 
@@ -83,6 +81,60 @@ class Settling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Selection:
+    """The plans ``plans`` (``plans[0]``: the one running when it began) measured in blocks; ``order``: the plan
+    index of each block; ``block``: the block running now, which ends at step ``at``; ``times[i]``: plan i's block
+    measures so far."""
+
+    at: int
+    plans: tuple
+    order: tuple
+    block: int = 0
+    times: tuple = ()
+
+    @staticmethod
+    def begin(index: int, plans) -> "Selection":
+        n = len(plans)
+        order = tuple(range(n)) + tuple(reversed(range(n)))
+        return Selection(index + BLOCK_STEPS, tuple(plans), order, 0, tuple(() for _ in plans))
+
+    @property
+    def running(self) -> int:
+        """The index of the plan the current block runs."""
+        return self.order[self.block]
+
+    def measured(self, step_s: float) -> "Selection":
+        """The current block ended, measured at ``step_s``; the next block (``done`` when none is left)."""
+        times = tuple(t + (step_s,) if i == self.running else t for i, t in enumerate(self.times))
+        return dataclasses.replace(self, at=self.at + BLOCK_STEPS, block=self.block + 1, times=times)
+
+    @property
+    def done(self) -> bool:
+        return self.block >= len(self.order)
+
+    def means(self) -> list[float]:
+        return [sum(t) / len(t) if t else float("inf") for t in self.times]
+
+
+def simplicity(choice: Choice) -> int:
+    """0: dense; 1: one codec everywhere; 2: a per-bucket mix (a plan of keys left dense counts as a mix)."""
+    specs = set(choice.chosen.values())
+    return 0 if not specs else 1 if len(specs) == 1 else 2
+
+
+def pick(plans, means, everywhere) -> int:
+    """The index of the plan a selection keeps: the fastest measured, unless a simpler plan (:func:`simplicity`;
+    ``everywhere(choice)``: it covers every key) measured within :data:`PREFER_SIMPLER` of it."""
+    def rank(i):
+        level = simplicity(plans[i])
+        return level if level != 1 or everywhere(plans[i]) else 2
+
+    best = min(range(len(plans)), key=lambda i: means[i])
+    near = [i for i in range(len(plans)) if means[i] <= means[best] * (1 + PREFER_SIMPLER) and rank(i) < rank(best)]
+    return min(near, key=lambda i: (rank(i), means[i])) if near else best
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """A judged trial: ``back`` (return to the old plan), the step time ``kept`` (of the plan that stays), and the
     two measured step times."""
@@ -93,16 +145,13 @@ class Verdict:
     new_step: float
 
 
-def judge(state, new_step: float, fewer_bytes: bool) -> Verdict:
-    """The verdict on ``state`` (a trial) with the new plan measured at ``new_step``; ``fewer_bytes``: the new plan
-    sends fewer bytes than the old (a codec trial's rule: compression must pay as measured; a tie goes to the plan
-    that compresses less)."""
+def judge(state, new_step: float) -> Verdict:
+    """The verdict on ``state`` (a layout trial or a settling plan) with the new plan measured at ``new_step``: a
+    layout trial goes back if the other layout was slower; a settling plan is never judged."""
     old = state.old_step
     if isinstance(state, Settling):
         return Verdict(False, new_step, old, new_step)
-    margin = TRIAL_MARGIN if isinstance(state, CodecTrial) and not fewer_bytes else 0.0
-    slower = new_step >= old if fewer_bytes else new_step > old * (1 + margin)
-    back = new_step > 0 and old > 0 and slower
+    back = new_step > 0 and old > 0 and new_step > old
     return Verdict(back, old if back else new_step, old, new_step)
 
 
@@ -115,7 +164,8 @@ class Probation:
         self.state = Steady()
         self.layout_open = True
         self.layout_times: dict = {}
-        self.rejected: list[dict] = []
+        #: plans a selection measured slower, each with whether it compressed more than the plan kept
+        self.rejected: list[tuple[dict, bool]] = []
 
     def due(self, index: int) -> bool:
         """Whether a trial is judged at step ``index``."""
@@ -129,11 +179,15 @@ class Probation:
         state, self.state = self.state, Steady()
         return state
 
-    def moved(self, forget: bool) -> None:
-        """The measurements moved: the layouts are compared again; ``forget``: the rejected plans may be right now."""
+    def moved(self, more: bool, less: bool) -> None:
+        """The measurements moved: the layouts are compared again; ``more``/``less``: compressing more/less may pay
+        now (the link got slower or the compute faster / the other way), so the rejected plans that compressed
+        more/less than the plan kept are measured again when proposed."""
         self.layout_open = True
-        if forget:
-            self.rejected = []
+        self.rejected = [(c, m) for c, m in self.rejected if not (more if m else less)]
+
+    def is_rejected(self, chosen: dict) -> bool:
+        return any(c == chosen for c, _ in self.rejected)
 
     def layout_trial(self, index: int, current: Choice, step_s: float):
         """The layout trial to start now (None: none; :class:`Settling` while the current plan is unmeasured)."""
@@ -145,5 +199,5 @@ class Probation:
         return LayoutTrial(index + TRIAL_STEPS, current, step_s)
 
 
-__all__ = ["Choice", "CodecTrial", "LAYOUTS", "LayoutTrial", "Probation", "Settling", "Steady", "TRIAL_MARGIN",
-           "TRIAL_STEPS", "Verdict", "judge"]
+__all__ = ["BLOCK_STEPS", "Choice", "LAYOUTS", "LayoutTrial", "PREFER_SIMPLER", "Probation", "Selection", "Settling",
+           "Steady", "TRIAL_STEPS", "Verdict", "judge", "pick", "simplicity"]

@@ -6,6 +6,7 @@ from ..autospec import CRITICAL_DROPS
 from ..timing import format_rate
 from .allocate import REFERENCE
 from .decide import Link, predict
+from .probation import Selection
 
 
 def stats(pilot) -> dict:
@@ -13,8 +14,10 @@ def stats(pilot) -> dict:
     ``switches`` (changes of plan after the first), ``decided_at`` (step), the combined measurements of the last
     check (``compute_s``, ``bandwidth_bit`` (payload, probed), ``latency_s``), ``overlap`` and ``link_share`` (how
     much of the backward pass the exchange hides behind, and the share of the probed bandwidth it gets, fitted on
-    the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last switch's
-    trial: the old and the new plan's measured step time, or None), ``layout`` (``"flat"`` or ``"hierarchical"``),
+    the dense steps), ``predicted_step_s`` and ``dense_step_s`` of the last decision, ``trial`` (the last selection:
+    ``[plan in words, measured s/step]`` per plan it measured, the current plan first; None before one ends),
+    ``selecting`` (a selection is measuring now), ``recalibrated`` (times the ranks' recorded bytes disagreed and
+    every rank recorded afresh), ``layout`` (``"flat"`` or ``"hierarchical"``),
     ``layout_step_s`` (layout -> measured step time, from the last comparison of the two; empty without nodes),
     ``critical`` (in a critical regime: the budget's riskiest codecs left out), ``regimes`` (changes of regime),
     ``grad_norm`` (the gradient norm at the last check), ``allocation`` (``allocate=true``: tensors per level,
@@ -34,7 +37,9 @@ def stats(pilot) -> dict:
             "bandwidth_bit": 8 * check.bandwidth if check else None, "latency_s": check.alpha if check else None,
             "link_share": ledger.fitted[1], "overlap": overlap(pilot),
             "predicted_step_s": last.predicted_s if last else None, "dense_step_s": last.dense_s if last else None,
-            "trial": last.trial if last else None, "layout": pilot.choice.layout,
+            "trial": [list(t) for t in last.trial] if last and last.trial else None,
+            "selecting": isinstance(pilot.probation.state, Selection), "recalibrated": pilot.costs.recalibrated,
+            "layout": pilot.choice.layout,
             "layout_step_s": dict(pilot.probation.layout_times), "allocation": dict(last.allocation) if last else {},
             "critical": regime.critical, "regimes": regime.changes, "grad_norm": regime.norms[-1] if regime.norms
             else None, "probe_bytes": pilot.meter.probe_bytes}
@@ -60,8 +65,11 @@ def explain(pilot) -> str:
 
 def _headline(pilot, last) -> str:
     ledger, check = pilot.ledger, last.check
-    tried = "" if last.trial is None else (f"; trial of the switch: {last.trial[1]:.4g} s/step against the old "
-                                          f"plan's {last.trial[0]:.4g} s ({'went back' if last.trial_back else 'kept'})")
+    tried = "" if last.trial is None else ("; measured: " + ", ".join(f"{plan} {t:.4g} s/step" for plan, t in last.trial)
+                                          + f" (kept: {pilot.summary()}"
+                                          + (", not the model's plan)" if last.trial_back else ", the model's plan)"))
+    if isinstance(pilot.probation.state, Selection):
+        tried = f"; measuring {len(pilot.probation.state.plans)} plans against each other"
     return (f"{pilot.options.text()}: decided at step {ledger.decided_at} from the check at step {check.index}: "
             f"compute {check.compute_s:.4g} s/step, link {format_rate(8 * check.bandwidth)} payload "
             f"(in the step: x{ledger.fitted[1]:.3g}; overlap with the backward pass {overlap(pilot):.2f}), "
