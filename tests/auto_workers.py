@@ -270,3 +270,40 @@ def regime_train(rank: int, world: int, steps: int, scale_at: int) -> dict:
         equal.append(_replicas_equal(model))
     return {"plans": plans, "equal": equal, "critical": critical, "stats": comp.stats()["auto"],
             "explain": comp.explain()}
+
+
+def poisoned_cache(rank: int, world: int, steps: int, folder: str) -> dict:
+    """DDP with ``auto:bandwidth=100gbit`` (dense everywhere, by the model). Rank 1's calibration cache is stale: its
+    entries were recorded here, then every byte count in the file was multiplied by 1000 (as a cache from another
+    version of the code could say), so by its own numbers rank 1 would compress. The plan at each step and whether
+    every rank holds the same."""
+    import json
+
+    from gradcompress.autopilot.calibration import Cache
+    from gradcompress.autopilot.decide import record
+    from gradcompress.autopilot.pilot import Costs
+
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=100gbit,cache=off")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pilot, plans, same, equal, decided = comp.autopilot, [], [], [], []
+    for step in range(steps):
+        if step == 2 and rank == 1:  # the buckets are known (DDP rebuilt them after step 0): poison this cache
+            path = f"{folder}/calibration-{rank}.json"
+            record(pilot.config, world, pilot.meter.buckets, pilot.options.candidates, Cache(path))
+            with open(path) as f:
+                entries = json.load(f)
+            for entry in entries.values():
+                entry["rounds"] = [[[c[0], c[1], 1000 * c[2], c[3], c[4]] for c in r] for r in entry["rounds"]]
+            with open(path, "w") as f:
+                json.dump(entries, f)
+            pilot.costs = Costs(Cache(path))
+        _train_step(model, opt, rank, step)
+        plans.append(_plan_text(comp))
+        same.append(_same_everywhere(plans[-1]))
+        equal.append(_replicas_equal(model))
+    alone = None
+    if rank == 1:  # what this rank's own numbers would decide: the poisoned table, read back from the file
+        table = record(pilot.config, world, pilot.meter.buckets, pilot.options.candidates, Cache(path))
+        alone = sum(c.sent for row in table for o in row[1:2] for r in o.rounds for c in r)
+    return {"plans": plans, "same": same, "equal": equal, "stats": comp.stats()["auto"], "poisoned_sent": alone}

@@ -133,7 +133,7 @@ def _select(pilot, times: dict, chosen: dict = MIX, uniform: dict = UNIFORM):
     ran = []
     while isinstance(pilot.probation.state, Selection):
         ran.append(next(k for k, v in NAMES.items() if v == pilot.summary()))
-        pilot.meter.block = [by_summary[pilot.summary()]] * 2
+        pilot.meter.block = [(by_summary[pilot.summary()], 0.0)] * 2
         pilot._judge(LocalCollectives(1), pilot.probation.state.at)
     return ran
 
@@ -392,6 +392,18 @@ def test_ranks_decide_alike_when_their_clocks_disagree():
     assert results[0]["stats"]["auto"]["decisions"] >= 1
 
 
+def test_a_poisoned_cache_on_one_rank_cannot_split_the_ranks(tmp_path):
+    """Rank 1's calibration cache says every candidate sends 1000x the bytes it does: the ranks' recorded bytes are
+    compared at the check, disagree, and every rank records afresh without its cache: one plan (dense, as the
+    100 Gbit/s hint calls for) on every rank at every step, replicas equal."""
+    results = launch.run(auto_workers.poisoned_cache, 4, 6, str(tmp_path), timeout=240)
+    assert results[1]["poisoned_sent"] > 100 * 10_000  # the poison was there to be read
+    for r in results:
+        assert all(r["same"]) and all(r["equal"])
+        assert r["stats"]["recalibrated"] == 1 and r["stats"]["decisions"] == 1
+        assert r["plans"][-1] == "[]"  # dense everywhere
+
+
 def test_a_switch_keeps_replicas_equal_and_residuals_carry_over():
     at, back = 6, 11
     results = launch.run(auto_workers.switch, 4, 16, at, back, timeout=240)
@@ -470,19 +482,22 @@ NETNS_PROBLEM = netns.problem()
 @pytest.mark.slow
 @pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
 def test_link_drop_on_four_hosts_is_followed():
-    """4 namespaced hosts at 1 Gbit/s, the compute-bound CNN; before timed step 6 (step 11) every uplink is reshaped
-    to 100 Mbit/s with tc. auto (checks at steps 3, 10, 17, 24) measures the new rate at step 17, decides again and
-    compresses (its trial at step 23 compares with dense steps 12-16, on the new link): steps 24-28 send less than
-    half of a dense step."""
+    """4 namespaced hosts at 1 Gbit/s, the compute-bound CNN; before timed step 15 (step 20) every uplink is
+    reshaped to 100 Mbit/s with tc. auto (checks every 7 steps from step 3, none while a selection measures: the
+    first at 3 ends by step 21) sees the step or its wait move at the first check after the drop, probes the new
+    rate, decides again and compresses (whatever it kept on the fast link): the plan at the end compresses every
+    bucket, and most of steps 40-49 send less than half of a dense step (a selection may measure dense again)."""
     from gradcompress.testbed.netbench import bench
 
-    result = bench(["auto:every=7"], 4, 1e9, 0.0, "cnn", 24, 5, 32, None, 600, change=(6, 100e6))
+    result = bench(["auto:every=7"], 4, 1e9, 0.0, "cnn", 45, 5, 32, None, 600, change=(15, 100e6))
     row = result["schemes"][0]
     auto, wire = row["auto"], row["step_wire_bytes"]
     assert 30e6 < auto["bandwidth_bit"] < 200e6, auto  # the probes see the new rate (payload)
-    assert auto["decisions"] >= 2 and auto["decided_at"] >= 5 + 6, auto
+    assert auto["decisions"] >= 2 and auto["decided_at"] >= 5 + 15, auto
     dense = 2 * 3 / 4 * 4 * result["params"]  # a dense step's ring-counted bytes
-    assert max(wire[24 - 5:]) < 0.5 * dense, (wire, dense)
+    late = sorted(wire[40 - 5:])
+    assert late[len(late) // 2] < 0.5 * dense, (wire, dense, row["explain"])  # a re-measured dense block may show
+    assert "none" not in auto["plan"], row["explain"]
 
 
 # ---------------------------------------------------------------------------- the CLI

@@ -79,7 +79,7 @@ class Meter:
             if prev.plan is self._plan:
                 self.walls.append(wall)
                 self.waits.append(waited)
-                self.block.append(wall)
+                self.block.append((wall, waited))
             else:  # a new plan: its first step is not counted (the switch, fresh buffers)
                 self.walls.clear()
                 self.waits.clear()
@@ -100,9 +100,12 @@ class Meter:
     def start_block(self) -> None:
         self.block = []
 
-    def block_s(self) -> float:
-        """The median time of the counted steps since :meth:`start_block` (0: none)."""
-        return statistics.median(self.block) if self.block else 0.0
+    def block_s(self) -> tuple[float, float]:
+        """The median time of the counted steps since :meth:`start_block`, and of their wait on the collectives
+        (0: none)."""
+        if not self.block:
+            return 0.0, 0.0
+        return statistics.median(w for w, _ in self.block), statistics.median(w for _, w in self.block)
 
     def exclude(self, seconds: float) -> None:
         """The autopilot's own ``seconds`` inside the current step (a check): not the step's compute."""
@@ -169,10 +172,10 @@ class Prober:
     def probed(self, step_s: float, link: tuple[float, float], wait_s: float = 0.0) -> None:
         self.reference, self.unprobed, self.link = (step_s, wait_s), 0, link
 
-    def measured(self, step_s: float) -> None:
-        """The plan kept after a selection (or a trial) took ``step_s``: what the next checks compare with (and the
-        next check's wait)."""
-        self.reference = (step_s, None)
+    def measured(self, step_s: float, wait_s: float | None = None) -> None:
+        """The plan kept after a selection (or a trial) took ``step_s``, ``wait_s`` of it waiting (None: unknown, the
+        next check's wait is the reference): what the next checks compare with."""
+        self.reference = (step_s, wait_s)
 
 
 __all__ = ["Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS", "WAIT_FLOOR"]

@@ -230,8 +230,9 @@ class Autopilot(Coordinator):
     def _measure_block(self, comm, index: int, selection: Selection) -> None:
         """A block of ``selection`` ended at step ``index``: its measure (the slowest rank's median step); the next
         block's plan, or the plan kept."""
-        got = self.meter.gather(comm, {"step": [self.meter.block_s()]}, self.meter.buckets[0].device)
-        selection = selection.measured(got["step"].max().item())
+        got = self.meter.gather(comm, {"block": list(self.meter.block_s())}, self.meter.buckets[0].device)
+        step_s, wait_s = got["block"].max(0).values.tolist()
+        selection = selection.measured(step_s, wait_s)
         self.meter.start_block()
         if not selection.done:
             self.probation.begin(selection)
@@ -253,7 +254,7 @@ class Autopilot(Coordinator):
             self._apply(kept.chosen)
         log.info("gradcompress auto: step %d: kept %s (measured: %s)", index, self.summary(),
                  ", ".join(f"{self.summary(p)} {t:.4g} s/step" for p, t in zip(plans, means)))
-        self.prober.measured(means[k])
+        self.prober.measured(means[k], selection.means(1)[k])
         self._try_layout(index, means[k])
 
     def _judge(self, comm, index: int) -> None:

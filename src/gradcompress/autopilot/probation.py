@@ -84,7 +84,7 @@ class Settling:
 class Selection:
     """The plans ``plans`` (``plans[0]``: the one running when it began) measured in blocks; ``order``: the plan
     index of each block; ``block``: the block running now, which ends at step ``at``; ``times[i]``: plan i's block
-    measures so far."""
+    measures so far, each (step, wait on the collectives) in seconds."""
 
     at: int
     plans: tuple
@@ -103,17 +103,19 @@ class Selection:
         """The index of the plan the current block runs."""
         return self.order[self.block]
 
-    def measured(self, step_s: float) -> "Selection":
-        """The current block ended, measured at ``step_s``; the next block (``done`` when none is left)."""
-        times = tuple(t + (step_s,) if i == self.running else t for i, t in enumerate(self.times))
+    def measured(self, step_s: float, wait_s: float = 0.0) -> "Selection":
+        """The current block ended, measured at ``step_s`` (``wait_s`` of it waiting on the collectives); the next
+        block (``done`` when none is left)."""
+        times = tuple(t + ((step_s, wait_s),) if i == self.running else t for i, t in enumerate(self.times))
         return dataclasses.replace(self, at=self.at + BLOCK_STEPS, block=self.block + 1, times=times)
 
     @property
     def done(self) -> bool:
         return self.block >= len(self.order)
 
-    def means(self) -> list[float]:
-        return [sum(t) / len(t) if t else float("inf") for t in self.times]
+    def means(self, part: int = 0) -> list[float]:
+        """Each plan's mean block measure: its step (``part`` 0) or its wait (1)."""
+        return [sum(x[part] for x in t) / len(t) if t else float("inf") for t in self.times]
 
 
 def simplicity(choice: Choice) -> int:
