@@ -45,6 +45,10 @@ DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
 DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
 
 
+#: the selection's stability check: the five fixed schemes once, auto ten times, in one run
+SELECTION = ";".join(["ddp", "torch-fp16", "fp16", "int8", "int4"] + ["auto"] * 10)
+
+
 def _netbench(name: str, args: str, minutes: int) -> tuple[str, int, str | None]:
     return f"{RECORD} {name} -- {NETBENCH} {args} --json", minutes, None
 
@@ -58,6 +62,12 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                                     f"--warmup 10 --timeout 1800 --schemes '{ALL_SCHEMES}'", 4),
     "netbench_mlp_100mbit": _netbench("netbench_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model mlp --steps 5 "
                                       f"--warmup 10 --timeout 1800 --schemes '{ALL_SCHEMES}'", 15),
+    "auto_selection_mlp_10gbit": _netbench("auto_selection_mlp_10gbit", "--workers 4 --bandwidth 10gbit --model mlp "
+                                           f"--steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 5),
+    "auto_selection_mlp_1gbit": _netbench("auto_selection_mlp_1gbit", "--workers 4 --bandwidth 1gbit --model mlp "
+                                          f"--steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 5),
+    "auto_selection_mlp_100mbit": _netbench("auto_selection_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model "
+                                            f"mlp --steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 8),
     "netbench_mlp_1gbit_w2": _netbench("netbench_mlp_1gbit_w2", "--workers 2 --bandwidth 1gbit --model mlp --steps 5 "
                                        f"--schemes '{GROWTH_SCHEMES}'", 2),
     "netbench_mlp_1gbit_w8": _netbench("netbench_mlp_1gbit_w8", "--workers 8 --bandwidth 1gbit --model mlp --steps 5 "
@@ -717,9 +727,46 @@ def autopilot_tables(r: Results) -> list[str]:
                   "best fixed scheme", "any / best", "its plan"], rows, right={1, 2, 3, 5, 6, 7})
     out += pending(r, "netbench_mlp_100mbit")
     out += sources(r, used)
-    out += [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
+    out += [""] + selection_table(r) + [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
     out += ["", "On the LM task and digits (accuracy, with a bandwidth hint): [What it keeps of accuracy]"
                 "(#what-it-keeps-of-accuracy)."]
+    return out
+
+
+SELECTION_RATES = [("10 Gbit/s", "auto_selection_mlp_10gbit"), ("1 Gbit/s", "auto_selection_mlp_1gbit"),
+                   ("100 Mbit/s", "auto_selection_mlp_100mbit")]
+
+
+def selection_table(r: Results) -> list[str]:
+    """auto run ten times next to the five fixed schemes (one run per rate): its steady step against the best fixed
+    scheme, the spread of its ten steady steps, the plans it kept and how often."""
+    rows, used = [], []
+    for label, name in SELECTION_RATES:
+        if not r.has(name):
+            continue
+        data = r.get(name)
+        used.append(name)
+        best = min((scheme(data, n) for n in FIVE), key=lambda s: s["median_step_s"])
+        autos = rows_named(data, "auto")
+        steps = sorted(a["median_step_s"] for a in autos)
+        mid = steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] + steps[len(steps) // 2]) / 2
+        plans: dict = {}
+        for a in autos:
+            plans[plan_text(a["auto"])] = plans.get(plan_text(a["auto"]), 0) + 1
+        kept = "; ".join(f"{p} ({n}/{len(autos)})" for p, n in sorted(plans.items(), key=lambda kv: -kv[1]))
+        rows.append([label, f"{code(best['scheme'])} {ms(best['median_step_s'])} ms", f"{ms(mid)} ms",
+                     f"{ms(steps[0])}–{ms(steps[-1])} ms", f"{100 * (steps[-1] - steps[0]) / mid:.0f} %",
+                     f"**{times(mid / best['median_step_s'])}**", times(steps[-1] / best["median_step_s"]), kept])
+    out = ["### The step decides: stability over ten runs", "",
+           "The selection (issue 39: the current plan, the model's, the best uniform plan and dense measured in "
+           "palindromic blocks on real steps, the fastest kept): `auto` ten times in one netbench run next to the "
+           "five fixed schemes, each 20 untimed steps then the median of 5 (the 12.6M MLP, 4 hosts). The spread "
+           "is (slowest − fastest) / median of auto's ten steady steps; the last column counts the plans kept.", ""]
+    if rows:
+        out += table(["link", "best fixed", "auto (median of 10)", "auto's range", "spread", "median / best",
+                      "slowest / best", "plans kept (runs)"], rows, right={2, 3, 4, 5, 6})
+    out += pending(r, *[n for _, n in SELECTION_RATES])
+    out += sources(r, used) if used else []
     return out
 
 

@@ -5,7 +5,9 @@
    exchange of a 4096 x 4096 bucket, timed) and what it would choose at 1, 10 and 100 Gbit/s;
 3. the DDP hook with NCCL at world size 1 (int8 and auto): steps, stats, finite parameters;
 4. the DDP hook with gloo on CUDA tensors at world size 2, both ranks on the same device (int8 and auto): replicas
-   equal after every step.
+   equal after every step;
+5. ``auto`` without a hint at world size 2 (gloo on CUDA tensors): what its meter read (CUDA events on a GPU) next to
+   the step time from CUDA events the loop recorded itself, its plan and what its selection measured.
 
 Without CUDA it runs the same on the CPU (NCCL skipped), which is how CI checks the script itself (``--quick``).
 Prints one JSON object per section.
@@ -138,6 +140,38 @@ def gloo_world2_worker(rank: int, world: int, use_cuda: bool, steps: int) -> lis
     return out
 
 
+def auto_clocks_worker(rank: int, world: int, use_cuda: bool, steps: int) -> dict:
+    """``auto`` without a hint (it probes, measures and selects) on gloo, CUDA tensors where there is a GPU; the
+    loop marks each step's start on the current stream (CUDA events: the ground truth) and never synchronises.
+    What the autopilot's meter read (its clock, step, wait and compute) next to the events' step time."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import gradcompress
+    from gradcompress.clocks import for_device
+
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(device), device_ids=[0] if use_cuda else None)
+    comp = gradcompress.register_ddp_hook(ddp, "auto:every=5,cache=off")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    truth, marks = for_device(device), []
+    for step in range(steps):
+        marks.append(truth.mark())
+        g = torch.Generator(device="cpu").manual_seed(1000 * step + dist.get_rank())
+        x = torch.randn(64, 1024, generator=g).to(device)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), x).backward()
+        opt.step()
+    marks.append(truth.mark())
+    walls = [truth.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    meter = comp.autopilot.meter
+    meter.settle()
+    auto = comp.stats()["auto"]
+    return {"clock": type(meter.clock).__name__, "meter_step_s": meter.step_s(), "meter_wait_s": meter.wait_s(),
+            "meter_compute_s": meter.compute_s(), "events_step_s": statistics.median(walls[-5:]),
+            "plan": auto["plan"], "bandwidth_bit": auto["bandwidth_bit"], "measured": auto["trial"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes (the CPU check of the script itself)")
@@ -157,6 +191,8 @@ def main(argv=None) -> int:
     results = launch.run(gloo_world2_worker, 2, cuda, steps, timeout=300)
     print(json.dumps({"ddp_gloo_world2": results[0], "replicas_equal_every_step": all(
         r["replicas_equal"] for rank in results for r in rank)}), flush=True)
+    clocks = launch.run(auto_clocks_worker, 2, cuda, 4 * steps, timeout=300)
+    print(json.dumps({"auto_clocks_gloo_world2": clocks}), flush=True)
     return 0
 
 

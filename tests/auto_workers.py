@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcompress
+from gradcompress.clocks import HostClock
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -72,7 +73,7 @@ def ddp_train(rank: int, world: int, spec: str, steps: int, options: dict | None
     model = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
     comp = gradcompress.register_ddp_hook(model, spec, **(options or {}))
     if comp.autopilot is not None and rank == 1 and skew != 1.0:
-        comp.autopilot.meter.clock = lambda: skew * time.perf_counter()
+        comp.autopilot.meter.use(HostClock(lambda: skew * time.perf_counter()))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     plans, equal, same = [], [], []
     for step in range(steps):
@@ -188,7 +189,7 @@ def nodes_train(rank: int, world: int, spec: str, steps: int, force: str | None 
             return now
 
         clock.last = real()
-        pilot.meter.clock = clock
+        pilot.meter.use(HostClock(clock))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     plans, layouts, equal, same = [], [], [], []
     for step in range(steps):

@@ -86,7 +86,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS = [
     ["gradcompress.spec"],
     ["gradcompress.codecs"],
-    ["gradcompress.collectives", "gradcompress.params", "gradcompress.topology", "gradcompress.scheme"],
+    ["gradcompress.clocks", "gradcompress.collectives", "gradcompress.params", "gradcompress.topology",
+     "gradcompress.scheme"],
     ["gradcompress.schedule", "gradcompress.monitor", "gradcompress.timing", "gradcompress.autospec"],
     ["gradcompress.exchanges", "gradcompress.transforms"],
     ["gradcompress.config", "gradcompress.state"],

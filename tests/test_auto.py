@@ -548,6 +548,8 @@ def test_gpu_check_script_runs_here():
     assert set(sections["auto_calibration"]["codec_ms"]) == set(gradcompress.config.autospec.BUDGETS["any"])
     assert sections["replicas_equal_every_step"] is True
     assert [r["steps"] for r in sections["ddp_gloo_world2"]] == [6, 6]
+    for clocks in sections["auto_clocks_gloo_world2"]:  # on the CPU the host's clock, next to the loop's own
+        assert clocks["clock"] == "HostClock" and clocks["meter_step_s"] > 0 and clocks["events_step_s"] > 0
 
 
 def test_the_calibration_key_follows_the_librarys_source(monkeypatch, tmp_path):

@@ -76,7 +76,12 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 # --------------------------------------------------------------------- collectives
 class Collectives:
-    """Asynchronous collectives on one process group, with byte and time accounting."""
+    """Asynchronous collectives on one process group, with byte and time accounting. ``clock``: where set (the
+    autopilot's meter sets its own, :mod:`gradcompress.clocks`), :meth:`wait` keeps its marks before and after each
+    wait (:meth:`take_waits`): on a GPU, CUDA events on the stream that waits."""
+
+    clock = None
+    _waits: tuple = ()
 
     def __init__(self, process_group=None):
         self.group = process_group
@@ -131,10 +136,18 @@ class Collectives:
         return out, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
 
     def wait(self, works: list) -> None:
-        start = time.perf_counter()
+        clock, start = self.clock, time.perf_counter()
+        mark = clock.mark() if clock is not None else None
         for w in works:
             w.wait()
         self.comm_seconds += time.perf_counter() - start
+        if clock is not None:
+            self._waits = self._waits + ((mark, clock.mark()),)
+
+    def take_waits(self) -> tuple:
+        """The (before, after) marks of the waits since the last call, in :attr:`clock`'s terms."""
+        taken, self._waits = self._waits, ()
+        return taken
 
     def check_same(self, text: str, who: str, extra=None) -> list:
         """Raise on every rank unless every rank passes the same ``text`` (a configuration); returns every rank's

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 import zlib
 
@@ -120,12 +119,6 @@ class QuorumCollectives(Collectives):
             except Exception as error:  # noqa: BLE001 - any failure of the group loses the step, torchft decides
                 self.fail(error)
         return _Fenced(self, work, outputs)
-
-    def wait(self, works: list) -> None:
-        start = time.perf_counter()
-        for w in works:
-            w.wait()
-        self.comm_seconds += time.perf_counter() - start
 
     def all_reduce(self, t: torch.Tensor, monitor: bool = False):
         self.count_all_reduce(t, monitor)

@@ -22,10 +22,12 @@ all-reduce, the same table on every rank). :class:`Prober` decides when the link
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
-import time
 
 import torch
+
+from ..clocks import HostClock, for_device
 
 SMALL_PROBE_FLOATS = 256
 #: the big probe's bounds: at least 1 MB, whose ring messages (M/W) exceed what a link's buffers and token bucket let
@@ -42,49 +44,111 @@ MOVED = 0.25
 WAIT_FLOOR = 0.05
 
 
-class Meter:
-    """This rank's measurements. ``clock``: the time source (a test skews one rank's). ``record``: the last step's
-    :class:`~gradcompress.step.StepRecord`; ``buckets``/``hooked``: the groups the last step that averaged any saw,
-    and whether it launched them early (the DDP hook: the exchange overlaps the backward pass)."""
+@dataclasses.dataclass(frozen=True)
+class Marks:
+    """One step's marks, in the meter's clock's terms, resolved at the next check: its start and the next step's,
+    the (before, after) marks of its waits on collectives and of the autopilot's own work in it, its codec seconds
+    (host time) and its plan."""
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
+    start: object
+    end: object
+    waits: tuple
+    excluded: tuple
+    codec_s: float
+    plan: object
+
+
+class Marker:
+    """The marks of the steps not yet resolved, on ``clock`` (:mod:`gradcompress.clocks`): by default the host's,
+    CUDA events once the buckets are seen on a GPU (:meth:`seen`); a clock given (a test's skewed or asynchronous
+    one) is kept."""
+
+    def __init__(self, clock=None):
+        self.clock = clock if clock is not None else HostClock()
+        self.chosen = clock is not None
+        self.pending: list[Marks] = []
+        self.start = None  # the current step's start mark
+        self.excluded: tuple = ()  # the autopilot's own (before, after) marks inside the current step
+
+    def use(self, clock) -> None:
+        """Mark with ``clock`` from now on (the marks so far dropped)."""
+        self.chosen, self.clock, self.start, self.pending = True, clock, None, []
+
+    def seen(self, device) -> None:
+        """The buckets live on ``device``: unless a clock was given, the clock of that device from now on."""
+        if not self.chosen:
+            self.use(for_device(device))
+
+    def step_started(self, comm, prev) -> None:
+        """A step begins; ``prev``: the previous step's record (its marks are kept if it ran)."""
+        comm.clock = self.clock
+        mark, waits = self.clock.mark(), comm.take_waits()
+        if self.start is not None and prev is not None and prev.committed is not None:
+            self.pending.append(Marks(self.start, mark, waits, self.excluded, prev.codec_seconds, prev.plan))
+        self.start, self.excluded = mark, ()
+
+    def take(self) -> list[Marks]:
+        taken, self.pending = self.pending, []
+        return taken
+
+
+class Meter:
+    """This rank's measurements. ``marker.clock`` (:class:`Marker`): where the times come from. ``record``: the last
+    step's :class:`~gradcompress.step.StepRecord`; ``buckets``/``hooked``: the groups the last step that averaged
+    any saw, and whether it launched them early (the DDP hook: the exchange overlaps the backward pass). A step's
+    marks are resolved (:meth:`settle`) at once on the host's clock, at the checks on an asynchronous one."""
+
+    def __init__(self, clock=None):
+        self.marker = Marker(clock)
         self.compute: collections.deque = collections.deque(maxlen=8)
         #: the last whole steps of the current plan (not its first step): the in-step probe, and the trial's measure
         self.walls: collections.deque = collections.deque(maxlen=5)
         #: the same steps' time waiting on collectives (what a change of the link moves first)
         self.waits: collections.deque = collections.deque(maxlen=5)
-        #: the counted steps since :meth:`start_block` (a selection's block)
+        #: the steps since :meth:`start_block` (a selection's block): (step, wait) seconds
         self.block: list = []
         self._plan = None  # the plan those steps ran
-        self.excluded = 0.0  # the autopilot's own time inside the current step
         self.probe_bytes = 0
-        self._mark: tuple[float, float] | None = None
         self.record = None
         self.buckets: tuple = ()
         self.hooked = False
+
+    @property
+    def clock(self):
+        return self.marker.clock
+
+    def use(self, clock) -> None:
+        """Measure with ``clock`` from now on (kept whatever the buckets' device)."""
+        self.marker.use(clock)
 
     def closed(self, record) -> None:
         """A step ended (or was aborted): what it measured."""
         self.record = record
         if record.seen:
             self.buckets, self.hooked = record.seen, record.overlapped
+            self.marker.seen(record.seen[0].device)
 
     def step_started(self, comm) -> None:
-        """A step begins: the previous one's compute time is known (from :attr:`record`)."""
-        now, prev = self.clock(), self.record
-        if self._mark is not None and prev is not None and prev.committed is not None:
-            wall, waited = now - self._mark[0] - self.excluded, comm.comm_seconds - self._mark[1]
-            self.compute.append(max(wall - waited - prev.codec_seconds, 0.0))
-            if prev.plan is self._plan:
+        """A step begins: the previous one's marks are complete (resolved now on the host's clock)."""
+        self.marker.step_started(comm, self.record)
+        if not self.clock.asynchronous:
+            self.settle()
+
+    def settle(self) -> None:
+        """Resolve the steps' marks into times (on a GPU this waits for the last step's events: called at checks)."""
+        seconds = self.clock.seconds
+        for m in self.marker.take():
+            wall = seconds(m.start, m.end) - sum(seconds(a, b) for a, b in m.excluded)
+            waited = sum(seconds(a, b) for a, b in m.waits)
+            self.compute.append(max(wall - waited - m.codec_s, 0.0))
+            self.block.append((wall, waited))
+            if m.plan is self._plan:
                 self.walls.append(wall)
                 self.waits.append(waited)
-                self.block.append((wall, waited))
             else:  # a new plan: its first step is not counted (the switch, fresh buffers)
                 self.walls.clear()
                 self.waits.clear()
-                self._plan = prev.plan
-        self._mark, self.excluded = (now, comm.comm_seconds), 0.0
+                self._plan = m.plan
 
     def compute_s(self) -> float:
         return statistics.median(self.compute) if self.compute else 0.0
@@ -107,9 +171,9 @@ class Meter:
             return 0.0, 0.0
         return statistics.median(w for w, _ in self.block), statistics.median(w for _, w in self.block)
 
-    def exclude(self, seconds: float) -> None:
-        """The autopilot's own ``seconds`` inside the current step (a check): not the step's compute."""
-        self.excluded += seconds
+    def exclude(self, before, after) -> None:
+        """The autopilot's own work inside the current step (a check), between two marks: not the step's compute."""
+        self.marker.excluded = self.marker.excluded + ((before, after),)
 
     def link(self, comm, traffic: int, device) -> tuple[float, float]:
         """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together, with the
@@ -123,13 +187,10 @@ class Meter:
         return 2 * (w - 1) / w * nbytes / max(big - small, small, 1e-9), alpha
 
     def _time(self, comm, t: torch.Tensor) -> float:
-        before = comm.monitor_bytes
-        start = self.clock()
-        comm.all_reduce(t, monitor=True).wait()
-        if t.is_cuda:
-            torch.cuda.synchronize(t.device)
+        before, start = comm.monitor_bytes, self.clock.mark()
+        comm.all_reduce(t, monitor=True).wait()  # on a GPU the stream waits: the mark after it sees the end
         self.probe_bytes += comm.monitor_bytes - before
-        return self.clock() - start
+        return self.clock.seconds(start, self.clock.mark())
 
     def gather(self, comm, fields: dict, device) -> dict:
         """Every rank's numbers of each named field (name -> this rank's list of floats), as name -> ``[world, n]``
@@ -178,4 +239,4 @@ class Prober:
         self.reference = (step_s, wait_s)
 
 
-__all__ = ["Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS", "WAIT_FLOOR"]
+__all__ = ["Marker", "Marks", "Meter", "MOVED", "PROBE_BYTES", "PROBE_EVERY", "Prober", "SMALL_PROBE_FLOATS", "WAIT_FLOOR"]

@@ -106,12 +106,13 @@ class Autopilot(Coordinator):
         selecting = isinstance(self.probation.state, Selection)  # a check waits while plans are measured
         due = due and not selecting
         if (due or trial) and meter.buckets and comm.world > 1 and not isinstance(comm, LocalCollectives):
-            start = meter.clock()
+            meter.settle()  # the steps' times (on a GPU: the one synchronisation, here at a check)
+            start = meter.clock.mark()
             if trial:  # a check due now waits for the next: the trial decides this step
                 self._judge(comm, index)
             else:
                 self._check(comm, index)
-            meter.exclude(meter.clock() - start)
+            meter.exclude(start, meter.clock.mark())
         after = index + 1 - self.first  # the step before each check keeps its gradients' norm (and a copy)
         measure = after >= 0 and after % self.options.every == 0
         return Terms(self.choice.plan, index, self.session.divisor(), sample=measure and self.options.allocate,
@@ -230,7 +231,8 @@ class Autopilot(Coordinator):
     def _measure_block(self, comm, index: int, selection: Selection) -> None:
         """A block of ``selection`` ended at step ``index``: its measure (the slowest rank's median step); the next
         block's plan, or the plan kept."""
-        got = self.meter.gather(comm, {"block": list(self.meter.block_s())}, self.meter.buckets[0].device)
+        got = self.meter.gather(comm, {"block": list(self.meter.block_s()), "compute": [self.meter.compute_s()]},
+                                self.meter.buckets[0].device)
         step_s, wait_s = got["block"].max(0).values.tolist()
         selection = selection.measured(step_s, wait_s)
         self.meter.start_block()
@@ -246,6 +248,9 @@ class Autopilot(Coordinator):
         kept, ledger = plans[k], self.ledger
         ledger.last = dataclasses.replace(ledger.last, trial=tuple((self.summary(p), t) for p, t in zip(plans, means)),
                                           trial_back=dict(kept.chosen) != dict(ledger.last.chosen))
+        # the compute the next checks compare with: the selection's steady steps, not the warm-up's (a first
+        # decision's compute comes from the steps right after the start, slower than those that follow)
+        ledger.basis = dataclasses.replace(ledger.basis, compute_s=got["compute"].max().item())
         traffic = self.traffic(kept.chosen)
         self.probation.rejected += [(dict(p.chosen), self.traffic(p.chosen) < traffic) for p in plans if p is not kept]
         if kept.chosen != plans[0].chosen and ledger.decisions > 1:
