@@ -302,18 +302,25 @@ def test_a_critical_regime_compresses_less_and_replicas_stay_equal():
 
 
 def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
-    """After a trial sent a plan back, a moved measurement clears that memory only if the link got slower or the
-    compute faster by more than MOVED (25 %): a fast link's probe reading faster must not bring the plan back."""
-    from gradcompress.autopilot.policy import Basis, favours_compression
+    """After a selection measured a plan slower, a moved measurement brings back the plans that compressed more only
+    if the link's cost grew or the compute shrank by more than MOVED (25 %), those that compressed less only the
+    other way. The link's cost is what a dense step's bytes take on it, relative to the larger of that and the
+    compute: where the link costs the step little (a fast link), a probe reading 50 % slower is not a move."""
+    from gradcompress.autopilot.policy import Basis, favours_compression, favours_less, moved
 
     basis = Basis(0.1, 1e8, 1e-4)
 
-    def favours(compute, bandwidth):
-        return favours_compression(basis, 1.0, compute, bandwidth)
+    def favours(compute, bandwidth, dense_bytes=1e8):  # a slow link: a dense step's bytes take 1 s
+        return favours_compression(basis, 1.0, compute, bandwidth, dense_bytes)
 
     assert favours(0.1, 0.7e8) and favours(0.07, 1e8)
     assert not favours(0.1, 1.5e8) and not favours(0.14, 1e8)
     assert not favours(0.1, 0.8e8)  # within 25 %
+    assert favours_less(basis, 1.0, 0.1, 1.5e8, 1e8) and favours_less(basis, 1.0, 0.14, 1e8, 1e8)
+    assert not favours_less(basis, 1.0, 0.1, 0.7e8, 1e8)
+    fast = 1e6  # a fast link: 10 ms of a 100 ms step
+    assert not moved(basis, 1.0, 0.1, 0.5e8, fast) and not favours(0.1, 0.5e8, fast)
+    assert moved(basis, 1.0, 0.1, 0.2e8, fast) and favours(0.1, 0.2e8, fast)  # 50 ms more: a move
 
 
 def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():

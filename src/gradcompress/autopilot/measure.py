@@ -105,7 +105,7 @@ class Meter:
         self.walls: collections.deque = collections.deque(maxlen=5)
         #: the same steps' time waiting on collectives (what a change of the link moves first)
         self.waits: collections.deque = collections.deque(maxlen=5)
-        #: the steps since :meth:`start_block` (a selection's block): (step, wait) seconds
+        #: the counted steps since :meth:`start_block` (a selection's block): (step, wait) seconds
         self.block: list = []
         self._plan = None  # the plan those steps ran
         self.probe_bytes = 0
@@ -141,11 +141,12 @@ class Meter:
             wall = seconds(m.start, m.end) - sum(seconds(a, b) for a, b in m.excluded)
             waited = sum(seconds(a, b) for a, b in m.waits)
             self.compute.append(max(wall - waited - m.codec_s, 0.0))
-            self.block.append((wall, waited))
             if m.plan is self._plan:
                 self.walls.append(wall)
                 self.waits.append(waited)
-            else:  # a new plan: its first step is not counted (the switch, fresh buffers)
+                self.block.append((wall, waited))
+            else:  # a new plan: its first step is not counted (the switch, fresh buffers: a compressed plan's first
+                # step allocates its residuals, which would count against compression)
                 self.walls.clear()
                 self.waits.clear()
                 self._plan = m.plan

@@ -19,7 +19,7 @@ from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
 from . import report
 from .allocate import LEVELS, REFERENCE, errors
 from .calibration import Cache
-from .decide import record
+from .decide import MIN_GAIN, record
 from .measure import Meter, Prober
 from .policy import Basis, Check, Context, Decision, Regime, allocatable, decide, review
 from .probation import (LAYOUTS, TRIAL_STEPS, Choice, LayoutTrial, Probation, Selection, Settling, Steady, judge,
@@ -219,10 +219,12 @@ class Autopilot(Coordinator):
         ledger.decided_at = index
 
     def _proposals(self, decision: Decision) -> list[Choice]:
-        """The plans a selection measures: the current one first, then the model's, the best uniform one and dense
-        (each once; those a selection measured slower left out)."""
-        plans = [self.choice]
-        for chosen in (decision.chosen, decision.uniform, {}):
+        """The plans a selection measures: the current one first, then the model's (a per-bucket mix only where the
+        model predicts it faster than the best uniform plan by :data:`~.decide.MIN_GAIN`), the best uniform one and
+        dense (each once; those a selection measured slower left out)."""
+        plans, mix = [self.choice], decision.predicted_s < decision.uniform_s * (1 - MIN_GAIN)
+        models = (decision.chosen,) if mix or not decision.uniform else ()
+        for chosen in models + (decision.uniform, {}):
             chosen = dict(chosen)
             if all(p.chosen != chosen for p in plans) and not self.probation.is_rejected(chosen):
                 plans.append(Choice.of(chosen, self.choice.layout))

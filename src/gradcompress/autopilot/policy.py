@@ -4,10 +4,10 @@ No I/O here: no collective, no clock, no file. Everything a decision uses arrive
 holds the same one, built from gathered numbers) and the :class:`Context` (what the last decision was based on and
 what the trial sent back), so every rank decides alike.
 
-* **When to decide** (:func:`review`): at the first check; whenever the compute time or the probed link moved by
-  more than :data:`MOVED` since the last decision; when the regime changed (``critical=``); or when the dense steps'
-  fit of the link (overlap, share) moved by more than :data:`MOVED` while no plan stands rejected (a selection's
-  loser).
+* **When to decide** (:func:`review`): at the first check; whenever the compute time, or the link's cost to a
+  dense step (:func:`shift`), moved by more than :data:`MOVED` since the last decision; when the regime changed
+  (``critical=``); or when the dense steps' fit of the link (overlap, share) moved by more than :data:`MOVED` while
+  no plan stands rejected (a selection's loser).
 * **What** (:func:`decide`): the cost model's choice per bucket (:func:`.decide.choose`) among the budget's
   candidates (fewer in a critical regime), with the per-tensor allocation of the int4 buckets where asked
   (``allocate=true``, :mod:`.allocate`), and the best uniform plan (:func:`best_uniform`): the proposals the
@@ -73,6 +73,11 @@ class Context:
     critical: bool
 
     @property
+    def dense_bytes(self) -> int:
+        """The bytes a dense step sends (the recorded rounds of candidate 0 on every bucket)."""
+        return sum(c.sent for row in self.costs for r in row[0].rounds for c in r)
+
+    @property
     def sizes(self) -> list[int]:
         return [sum(int(torch.Size(s).numel()) for s in b.shapes) for b in self.buckets]
 
@@ -83,7 +88,7 @@ class Decision:
     per bucket) with its ``predicted_s`` and the all-dense ``dense_s``, the ``check`` it came from, its ``basis``,
     the per-tensor ``allocation`` summary (``allocate=true``), ``uniform`` (key -> spec: the budget's best *uniform*
     compressed plan, one codec on every bucket, by the model; measured against ``chosen`` and dense, empty where no
-    codec can carry every bucket), and once measured ``trial`` ((plan in words, measured s/step) per plan the
+    codec can carry every bucket) with its predicted ``uniform_s``, and once measured ``trial`` ((plan in words, measured s/step) per plan the
     selection measured) with ``trial_back`` (the kept plan is not the model's)."""
 
     chosen: Mapping
@@ -95,6 +100,7 @@ class Decision:
     basis: Basis
     allocation: Mapping = dataclasses.field(default_factory=dict)
     uniform: Mapping = dataclasses.field(default_factory=dict)
+    uniform_s: float = float("inf")
     trial: tuple | None = None
     trial_back: bool = False
 
@@ -136,25 +142,33 @@ def decided_on(basis: Basis, share: float) -> tuple[float, float]:
     return basis.compute_s, basis.bandwidth / share
 
 
-def moved(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
-    """Whether the compute time or the probed link moved by more than :data:`MOVED` since the decision."""
+def shift(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> tuple[float, float]:
+    """How the measurements moved since the decision, signed: the compute time's relative change, and the change of
+    the link's cost (the seconds a dense step's bytes take on it) relative to the larger of that cost and the
+    compute time (a fast link whose probe reads 50 % slower costs the step next to nothing more: not a move)."""
     c0, b0 = decided_on(basis, share)
-    return any(abs(x - x0) > MOVED * max(x0, 1e-12) for x, x0 in ((compute, c0), (bandwidth, b0)))
+    link, link0 = dense_bytes / max(bandwidth, 1e-12), dense_bytes / max(b0, 1e-12)
+    return (compute - c0) / max(c0, 1e-12), (link - link0) / max(link0, c0, 1e-12)
 
 
-def favours_compression(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
-    """Whether the link got slower or the compute faster by more than :data:`MOVED` since the decision: only then
-    is a plan the trial sent back proposed again (a noisy probe of a fast link that reads faster or slower by turns
-    would otherwise make the autopilot try the same slower plan at every check)."""
-    c0, b0 = decided_on(basis, share)
-    return bandwidth < (1 - MOVED) * b0 or compute < (1 - MOVED) * c0
+def moved(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> bool:
+    """Whether the compute time or the link's cost moved by more than :data:`MOVED` since the decision."""
+    return any(abs(x) > MOVED for x in shift(basis, share, compute, bandwidth, dense_bytes))
 
 
-def favours_less(basis: Basis, share: float, compute: float, bandwidth: float) -> bool:
-    """Whether the link got faster or the compute slower by more than :data:`MOVED` since the decision: only then is
-    a plan that compressed less than the one kept (and was measured slower) measured again."""
-    c0, b0 = decided_on(basis, share)
-    return bandwidth > (1 + MOVED) * b0 or compute > (1 + MOVED) * c0
+def favours_compression(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> bool:
+    """Whether the link's cost grew or the compute time shrank by more than :data:`MOVED` since the decision: only
+    then is a plan that compressed more than the one kept (and was measured slower) measured again (a noisy probe of
+    a fast link that reads faster or slower by turns would otherwise have it re-measure the same plan)."""
+    dc, dl = shift(basis, share, compute, bandwidth, dense_bytes)
+    return dl > MOVED or dc < -MOVED
+
+
+def favours_less(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> bool:
+    """Whether the link's cost shrank or the compute time grew by more than :data:`MOVED` since the decision: only
+    then is a plan that compressed less than the one kept (and was measured slower) measured again."""
+    dc, dl = shift(basis, share, compute, bandwidth, dense_bytes)
+    return dl < -MOVED or dc > MOVED
 
 
 def refitted(new: tuple, old: tuple) -> bool:
@@ -168,11 +182,11 @@ def review(check: Check, ctx: Context, regime_changed: bool) -> Review:
     if ctx.options.bandwidth is None and check.dense_step_s > 0:  # fresh dense steps: the step as it went
         fitted = fit_link(ctx.costs, ctx.sizes, Link(check.bandwidth, check.alpha), check.compute_s,
                           1.0 if ctx.hooked else 0.0, list(check.codec), check.dense_step_s)
-    share = ctx.fitted[1]
-    measured = ctx.basis is None or moved(ctx.basis, share, check.compute_s, check.bandwidth)
-    first = ctx.basis is None
-    more = first or favours_compression(ctx.basis, share, check.compute_s, check.bandwidth)
-    less = first or favours_less(ctx.basis, share, check.compute_s, check.bandwidth)
+    share, first = ctx.fitted[1], ctx.basis is None
+    now = (check.compute_s, check.bandwidth, ctx.dense_bytes)
+    measured = first or moved(ctx.basis, share, *now)
+    more = first or favours_compression(ctx.basis, share, *now)
+    less = first or favours_less(ctx.basis, share, *now)
     again = measured or regime_changed or (refitted(fitted, ctx.fitted) and not ctx.rejected)
     return Review(again, measured, more, less, fitted)
 
@@ -191,14 +205,14 @@ def decide(check: Check, ctx: Context) -> Decision:
     allocation: dict = {}
     if err is not None:
         chosen, allocation = _allocated(chosen, ctx.buckets, list(keys), err)
-    uniform = best_uniform(ctx, link, check, [c for c in allowed if c])
+    uniform, uniform_s = best_uniform(ctx, link, check, [c for c in allowed if c])
     return Decision(chosen, tuple(choice), predicted, dense, tuple(sizes), check,
-                    Basis(check.compute_s, link.bandwidth, link.alpha), allocation, uniform)
+                    Basis(check.compute_s, link.bandwidth, link.alpha), allocation, uniform, uniform_s)
 
 
-def best_uniform(ctx: Context, link: Link, check: Check, allowed: list) -> dict:
+def best_uniform(ctx: Context, link: Link, check: Check, allowed: list) -> tuple[dict, float]:
     """The compressed plan with one codec (of ``allowed`` candidate indices) on every bucket that the model predicts
-    fastest (key -> spec; ``{}`` where no candidate can carry every bucket)."""
+    fastest (key -> spec; ``{}`` where no candidate can carry every bucket), and its predicted step time."""
     overlap = ctx.fitted[0] if ctx.hooked else 0.0
     n, best, pick = len(ctx.buckets), float("inf"), None
     for c in allowed:
@@ -208,8 +222,8 @@ def best_uniform(ctx: Context, link: Link, check: Check, allowed: list) -> dict:
         if t < best:
             best, pick = t, c
     if pick is None:
-        return {}
-    return {k: ctx.options.candidates[pick] for b in ctx.buckets for k in b.keys}
+        return {}, float("inf")
+    return {k: ctx.options.candidates[pick] for b in ctx.buckets for k in b.keys}, best
 
 
 def allocatable(buckets, min_numel: int) -> list:
@@ -238,4 +252,4 @@ def _allocated(chosen: dict, buckets, keys: list, err: torch.Tensor) -> tuple[di
 
 
 __all__ = ["Basis", "Check", "Context", "Decision", "MOVED", "Regime", "Review", "allocatable", "best_uniform", "decide",
-           "decided_on", "favours_compression", "favours_less", "moved", "refitted", "review"]
+           "decided_on", "favours_compression", "favours_less", "moved", "refitted", "review", "shift"]

@@ -34,9 +34,9 @@ LAYOUTS = ("flat", "hierarchical")
 #: a selection keeps a simpler plan measured within this share of the fastest (dense before compression, one codec
 #: before a mix: the same bytes' effect for fewer surprises; a step's time varies by more than this between blocks)
 PREFER_SIMPLER = 0.02
-#: steps each plan of a selection runs per block (every one counted, the switch's too: with 3 plans the selection
-#: ends 12 steps after it began)
-BLOCK_STEPS = 2
+#: steps each plan of a selection runs per block (the first after a switch not counted: a compressed plan's first
+#: step allocates its residuals; 2 plans: the selection ends 12 steps after it began, 3 plans: 18)
+BLOCK_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import sys
 
 from ..scheme import parse_scheme
 from ..testbed.models import MODELS
+from ..testbed.models import checked as checked_model
 from ..testbed.netbench import (COMPRESSOR_WARMUP, FSDP_BASELINE, FSDP_SCHEMES, MIN_WARMUP, NODE_SCHEMES, NOSEND,
                                 bench)
 from ..testbed.netbench_fsdp import NODE_FSDP_SCHEMES, split as split_fsdp_scheme
@@ -89,7 +90,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "ddp-nosend: DDP with a hook that sends nothing (the limit). With --nodes, codec specs run the "
                "library's default topology (auto: hierarchical across the nodes); add topology=flat for today's "
                "flat exchange. Node-mode default schemes: " + "; ".join(NODE_SCHEMES) + "\n"
-               "Models: mlp (12.6M parameters, communication-bound), mlp8m (8.4M), cnn (0.39M, compute-bound), tiny (85K).")
+               "Models: mlp (12.6M parameters, communication-bound), mlp8m (8.4M), cnn (0.39M, compute-bound), "
+               "tiny (85K), lm (the 0.47M byte-level transformer); families by size: mlp:W (1024-W-W-1024), "
+               "conv:C (cnn is conv:32), transformer:D (lm is transformer:128).")
     p.add_argument("--workers", type=_workers, default=None,
                    help="emulated hosts, one worker each: 2 to 8 (default 4; not with --nodes)")
     p.add_argument("--nodes", type=_workers, default=None, metavar="N",
@@ -102,7 +105,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
                    help="one-way delay added on each host's egress with netem, e.g. 1ms (default 0: none; "
                         "needs the netem qdisc in the kernel)")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="model (default mlp)")
+    p.add_argument("--model", type=checked_model, default="mlp", metavar="MODEL",
+                   help=f"model: {', '.join(MODELS)}, or a family by size: mlp:W, conv:C, transformer:D "
+                        "(default mlp)")
     p.add_argument("--schemes", action="extend", nargs="+", metavar="SPEC",
                    help="schemes (';'-separated and/or repeated); default: the list below")
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps per scheme (default 10)")
@@ -121,6 +126,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--change", type=_change, default=None, metavar="STEP:RATE",
                    help="reshape every host's uplink to RATE with tc before timed step STEP (a link that drops or "
                         "recovers mid-run; e.g. 10:100mbit); back to --bandwidth after each scheme")
+    p.add_argument("--accelerator", action="store_true",
+                   help="emulate an accelerator: each step's forward and backward are a timed wait of the compute "
+                        "time measured alone (the CPU left idle, as on a GPU) and the real gradients, so the codecs "
+                        "and collectives do not compete with the compute for the cores")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -154,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                        "run without --latency")
     try:
         result = bench(schemes, hosts, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
-                       args.batch_size, args.threads, args.timeout, args.fsdp, per_node, args.change)
+                       args.batch_size, args.threads, args.timeout, args.fsdp, per_node, args.change,
+                       args.accelerator)
     except TestbedError as err:
         raise CLIError(str(err)) from None
     if args.json:

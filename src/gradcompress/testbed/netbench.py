@@ -90,24 +90,28 @@ def _decoupled(text: str) -> bool:
 # --------------------------------------------------------------------------- the parent
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
           batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1,
-          change: tuple[int, float] | None = None) -> dict:
+          change: tuple[int, float] | None = None, accelerator: bool = False) -> dict:
     """Build the testbed (``workers`` hosts, ``per_node`` workers on each), run every scheme on every worker, tear
-    everything down; the merged result. :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be
-    built."""
+    everything down; the merged result. ``accelerator``: the compute leaves the CPU idle
+    (:mod:`gradcompress.testbed.accelerator`: a timed wait of rank 0's measured compute time, then the real
+    gradients). :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be built."""
     threads = threads or max(1, (os.cpu_count() or 1) // (workers * per_node))
     where = f"{workers} nodes x {per_node} workers" if per_node > 1 else f"{workers} hosts"
     print(f"netbench: {where}, {_fmt_rate(rate_bit)}"
           f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
-          f"{len(schemes)} schemes x ({warmup} + {steps}) steps", file=sys.stderr)
+          f"{len(schemes)} schemes x ({warmup} + {steps}) steps{', emulated accelerator' if accelerator else ''}",
+          file=sys.stderr)
     settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
                 "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0)),
-                "change": None if change is None else [change[0], change[1], rate_bit]}
+                "change": None if change is None else [change[0], change[1], rate_bit], "accelerator": accelerator}
     records = hosts.run_workers(
         workers, settings, module="gradcompress.testbed.netbench", rate_bit=rate_bit, delay_s=latency_s,
         timeout=timeout, env={"OMP_NUM_THREADS": str(threads)}, label="netbench",
         timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)", workers_per_node=per_node)
-    return merge(records, schemes, workers * per_node, rate_bit, latency_s, model, steps, warmup, batch_size, threads,
-                 fsdp, per_node)
+    result = merge(records, schemes, workers * per_node, rate_bit, latency_s, model, steps, warmup, batch_size,
+                   threads, fsdp, per_node)
+    result["accelerator"] = accelerator
+    return result
 
 
 def _fmt_rate(bit: float) -> str:
@@ -289,6 +293,10 @@ def _worker(cfg: dict) -> None:
     one_bucket = one_bucket_mb(model)
     del model
     figures = _machine_figures(name, x, y, rank)
+    if cfg.get("accelerator"):  # every rank emulates rank 0's compute time alone (no core shared)
+        solo = torch.tensor([figures["compute_solo_s"] or 0.0], dtype=torch.float64)
+        dist.broadcast(solo, 0)
+        cfg = {**cfg, "emulated_s": solo.item()}
     records = [_scheme_record(cfg, i, text, x, y, one_bucket) for i, text in enumerate(cfg["schemes"])]
     hosts.write_result(cfg, {"rank": rank, **figures, "shapes": shapes, "one_bucket_cap_mb": one_bucket,
                              "schemes": records})
@@ -368,6 +376,10 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
 
     name = cfg["model"]
     model = models.build_model(name)
+    if cfg.get("emulated_s"):
+        from .accelerator import Emulated, real_grads
+
+        model = Emulated(model, real_grads(model, lambda out, t: models.loss(name, out, t), x, y), cfg["emulated_s"])
     h = _diloco_h(text)
     net, opt, comp = _setup(cfg, model, text)
     own = h or _decoupled(text)  # DiLoCo and DeMo keep their own counters (streaming: one Compressor per fragment)
@@ -375,7 +387,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = models.loss(name, net(x), y)
+        loss = net(x) if cfg.get("emulated_s") else models.loss(name, net(x), y)
         loss.backward()
         opt.step()
         return loss.item()
