@@ -68,6 +68,8 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                                           f"--steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 5),
     "auto_selection_mlp_100mbit": _netbench("auto_selection_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model "
                                             f"mlp --steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 8),
+    "auto_heldout": (f"{RECORD} auto_heldout -- python benchmarks/auto_heldout.py --seed $(git rev-parse HEAD) --n 6 "
+                     "--json", 60, "the shared tools next to the checkout (../shared/tools/heldout.py)"),
     "netbench_mlp_1gbit_w2": _netbench("netbench_mlp_1gbit_w2", "--workers 2 --bandwidth 1gbit --model mlp --steps 5 "
                                        f"--schemes '{GROWTH_SCHEMES}'", 2),
     "netbench_mlp_1gbit_w8": _netbench("netbench_mlp_1gbit_w8", "--workers 8 --bandwidth 1gbit --model mlp --steps 5 "
@@ -727,7 +729,7 @@ def autopilot_tables(r: Results) -> list[str]:
                   "best fixed scheme", "any / best", "its plan"], rows, right={1, 2, 3, 5, 6, 7})
     out += pending(r, "netbench_mlp_100mbit")
     out += sources(r, used)
-    out += [""] + selection_table(r) + [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
+    out += [""] + selection_table(r) + [""] + heldout_table(r) + [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
     out += ["", "On the LM task and digits (accuracy, with a bandwidth hint): [What it keeps of accuracy]"
                 "(#what-it-keeps-of-accuracy)."]
     return out
@@ -767,6 +769,42 @@ def selection_table(r: Results) -> list[str]:
                       "slowest / best", "plans kept (runs)"], rows, right={2, 3, 4, 5, 6})
     out += pending(r, *[n for _, n in SELECTION_RATES])
     out += sources(r, used) if used else []
+    return out
+
+
+def heldout_table(r: Results) -> list[str]:
+    """auto on the held-out cases (``benchmarks/auto_heldout.py``): per case, against the best fixed scheme and
+    DDP in the same run."""
+    name = "auto_heldout"
+    out = ["### Held out: cases nobody chose", "",
+           "Cases drawn by `../shared/tools/heldout.py` from a commit hash (model family and size, batch, workers, "
+           "link, latency, an emulated accelerator), run unchanged after this session's constants were fixed on the "
+           "12.6M MLP above: `auto` against the best of DDP, torch-fp16, fp16, int8 and int4 in the same netbench "
+           "run, 20 untimed steps then the median of 5. A latency the kernel cannot emulate (no netem here) is "
+           "dropped and marked.", ""]
+    if not r.has(name):
+        return out + pending(r, name)
+    data = r.get(name)
+    rows, within = [], 0
+    for run in data["runs"]:
+        c = run["case"]
+        label = (f"{c['family']}:{c['width']}, batch {c['batch']}, {c['workers']} workers, {c['rate']}, "
+                 f"{c['latency_ms']} ms{'' if run.get('latency_emulated') else ' (dropped)'}"
+                 f"{', accelerator' if c['accelerator'] else ''}")
+        if "result" not in run:
+            rows.append([label, "failed: " + " ".join(run.get("error", [])), "–", "–", "–", "–"])
+            continue
+        res = run["result"]
+        best = min((scheme(res, n) for n in FIVE), key=lambda x: x["median_step_s"])
+        auto, ddp = scheme(res, "auto"), scheme(res, "ddp")
+        ratio = auto["median_step_s"] / best["median_step_s"]
+        within += ratio <= 1.05
+        rows.append([label, f"{code(best['scheme'])} {ms(best['median_step_s'])} ms", f"{ms(ddp['median_step_s'])} ms",
+                     f"{ms(auto['median_step_s'])} ms", f"**{times(ratio)}**", plan_text(auto["auto"])])
+    out += [f"Seed `{data['seed'][:12]}`: auto within 1.05x of the best fixed scheme in {within} of "
+            f"{len(data['runs'])} cases.", ""]
+    out += table(["case", "best fixed", "DDP", "auto", "auto / best", "auto's plan"], rows, right={2, 3, 4})
+    out += sources(r, [name])
     return out
 
 

@@ -128,12 +128,12 @@ def _select(pilot, times: dict, chosen: dict = MIX, uniform: dict = UNIFORM):
 
     by_summary = {NAMES[k]: t for k, t in times.items()}
     check = Check(3, 0.05, 0.1, 1e8, 1e-4, tuple((0.0,) * 4 for _ in SHAPES))
-    pilot._decide(Decision(chosen, (3, 3, 3), 0.05, 0.1, (1, 1, 1), check, Basis(0.05, 1e8, 1e-4), {}, uniform),
-                  0.1)
+    pilot._decide(Decision(chosen, (3, 3, 3), 0.05, 0.1, (1, 1, 1), check, Basis(0.05, 1e8, 1e-4), {},
+                           (uniform,) if uniform else ()), 0.1)
     ran = []
     while isinstance(pilot.probation.state, Selection):
         ran.append(next(k for k, v in NAMES.items() if v == pilot.summary()))
-        pilot.meter.block = [(by_summary[pilot.summary()], 0.0)] * 2
+        pilot.meter.block = [(by_summary[pilot.summary()], 0.0, 0.05)] * 2
         pilot._judge(LocalCollectives(1), pilot.probation.state.at)
     return ran
 

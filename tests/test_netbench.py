@@ -100,6 +100,7 @@ def test_needs_ip_and_tc_one_line(monkeypatch, capsys):
     (["netbench", "--bandwidth", "fast"], "bad rate"),
     (["netbench", "--latency", "1"], "bad duration"),
     (["netbench", "--schemes", "nosuch"], "unknown scheme"),
+    (["netbench", "--model", "conv:x"], "mlp:W, conv:C, transformer:D"),
     (["plan", "--params", "1e6", "--workers", "4", "--bandwidth", "1gbit", "--schemes", "threshold"], "threshold"),
 ])
 def test_bad_arguments_one_line(argv, text, capsys, monkeypatch):
@@ -294,3 +295,16 @@ def test_netbench_fsdp_scheme_options():
                       ("powersgd:rank=2", "powersgd cannot compress FSDP")]:
         with pytest.raises(CLIError, match=says):
             check(bad, "netbench", fsdp=True, nodes=True)
+
+
+@needs_netns
+@pytest.mark.slow
+def test_netbench_accelerator_and_a_family_by_size():
+    """``--accelerator`` with ``--model conv:8``: every scheme runs on the emulated accelerator (the result says
+    so), the bytes sent are the real ones, and an unknown size is refused in one line."""
+    result = _run_json(["--workers", "2", "--bandwidth", "100mbit", "--model", "conv:8", "--steps", "3",
+                        "--schemes", "ddp;int8", "--accelerator"], timeout=180)
+    assert result["accelerator"] is True and result["model"] == "conv:8"
+    rows = {r["scheme"]: r for r in result["schemes"]}
+    assert rows["ddp"]["wire_bytes_per_step"] / rows["int8"]["wire_bytes_per_step"] > 3
+    assert all(r["median_step_s"] > result["compute_solo_s"] for r in rows.values())  # the wait is in every step

@@ -1,7 +1,8 @@
 """What the autopilot measures on its own rank: the compute time of a step and the link.
 
 * **Compute**: the wall time from one step's start to the next's, less what the step spent waiting on its
-  collectives, in its codec work and in the autopilot's own measuring (the median of the last 8 steps). Under the DDP
+  collectives, in its codec work and in the autopilot's own measuring (the median of the current plan's last 8
+  steps, its first not counted). Under the DDP
   hook a step starts at the first bucket's hook, so this is the forward and backward pass and the optimizer step.
   The whole time of the last 5 steps of the current plan (its first step not counted) is kept too: on dense steps the
   in-step probe of the link (:func:`.decide.fit_link`); after a switch, what the new plan really costs (the trial).
@@ -41,7 +42,7 @@ PROBE_EVERY = 5
 #: a change of the plan's step time since the last probe that makes the autopilot probe again
 MOVED = 0.25
 #: a change of the time waiting on collectives counts when it is at least this share of the step too
-WAIT_FLOOR = 0.05
+WAIT_FLOOR = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Meter:
         self.walls: collections.deque = collections.deque(maxlen=5)
         #: the same steps' time waiting on collectives (what a change of the link moves first)
         self.waits: collections.deque = collections.deque(maxlen=5)
-        #: the counted steps since :meth:`start_block` (a selection's block): (step, wait) seconds
+        #: the counted steps since :meth:`start_block` (a selection's block): (step, wait, compute) seconds
         self.block: list = []
         self._plan = None  # the plan those steps ran
         self.probe_bytes = 0
@@ -140,15 +141,17 @@ class Meter:
         for m in self.marker.take():
             wall = seconds(m.start, m.end) - sum(seconds(a, b) for a, b in m.excluded)
             waited = sum(seconds(a, b) for a, b in m.waits)
-            self.compute.append(max(wall - waited - m.codec_s, 0.0))
+            compute = max(wall - waited - m.codec_s, 0.0)
             if m.plan is self._plan:
                 self.walls.append(wall)
                 self.waits.append(waited)
-                self.block.append((wall, waited))
+                self.compute.append(compute)
+                self.block.append((wall, waited, compute))
             else:  # a new plan: its first step is not counted (the switch, fresh buffers: a compressed plan's first
-                # step allocates its residuals, which would count against compression)
-                self.walls.clear()
-                self.waits.clear()
+                # step allocates its residuals, which would count against compression); on this CPU testbed the
+                # compute itself reads differently under another plan (the collectives compete for the cores)
+                for kept in (self.walls, self.waits, self.compute):
+                    kept.clear()
                 self._plan = m.plan
 
     def compute_s(self) -> float:
@@ -165,12 +168,12 @@ class Meter:
     def start_block(self) -> None:
         self.block = []
 
-    def block_s(self) -> tuple[float, float]:
-        """The median time of the counted steps since :meth:`start_block`, and of their wait on the collectives
-        (0: none)."""
+    def block_s(self) -> tuple[float, float, float]:
+        """The medians of the counted steps since :meth:`start_block`: their time, their wait on the collectives
+        and their compute (0: none)."""
         if not self.block:
-            return 0.0, 0.0
-        return statistics.median(w for w, _ in self.block), statistics.median(w for _, w in self.block)
+            return 0.0, 0.0, 0.0
+        return tuple(statistics.median(x[i] for x in self.block) for i in range(3))
 
     def exclude(self, before, after) -> None:
         """The autopilot's own work inside the current step (a check), between two marks: not the step's compute."""

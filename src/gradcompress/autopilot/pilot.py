@@ -220,11 +220,11 @@ class Autopilot(Coordinator):
 
     def _proposals(self, decision: Decision) -> list[Choice]:
         """The plans a selection measures: the current one first, then the model's (a per-bucket mix only where the
-        model predicts it faster than the best uniform plan by :data:`~.decide.MIN_GAIN`), the best uniform one and
-        dense (each once; those a selection measured slower left out)."""
+        model predicts it faster than the best uniform plan by :data:`~.decide.MIN_GAIN`), the best uniform ones
+        (:func:`~.policy.uniform_plans`) and dense (each once; those a selection measured slower left out)."""
         plans, mix = [self.choice], decision.predicted_s < decision.uniform_s * (1 - MIN_GAIN)
         models = (decision.chosen,) if mix or not decision.uniform else ()
-        for chosen in models + (decision.uniform, {}):
+        for chosen in models + tuple(decision.uniform) + ({},):
             chosen = dict(chosen)
             if all(p.chosen != chosen for p in plans) and not self.probation.is_rejected(chosen):
                 plans.append(Choice.of(chosen, self.choice.layout))
@@ -233,10 +233,8 @@ class Autopilot(Coordinator):
     def _measure_block(self, comm, index: int, selection: Selection) -> None:
         """A block of ``selection`` ended at step ``index``: its measure (the slowest rank's median step); the next
         block's plan, or the plan kept."""
-        got = self.meter.gather(comm, {"block": list(self.meter.block_s()), "compute": [self.meter.compute_s()]},
-                                self.meter.buckets[0].device)
-        step_s, wait_s = got["block"].max(0).values.tolist()
-        selection = selection.measured(step_s, wait_s)
+        got = self.meter.gather(comm, {"block": list(self.meter.block_s())}, self.meter.buckets[0].device)
+        selection = selection.measured(*got["block"].max(0).values.tolist())
         self.meter.start_block()
         if not selection.done:
             self.probation.begin(selection)
@@ -252,7 +250,7 @@ class Autopilot(Coordinator):
                                           trial_back=dict(kept.chosen) != dict(ledger.last.chosen))
         # the compute the next checks compare with: the selection's steady steps, not the warm-up's (a first
         # decision's compute comes from the steps right after the start, slower than those that follow)
-        ledger.basis = dataclasses.replace(ledger.basis, compute_s=got["compute"].max().item())
+        ledger.basis = dataclasses.replace(ledger.basis, compute_s=selection.means(2)[k])
         traffic = self.traffic(kept.chosen)
         self.probation.rejected += [(dict(p.chosen), self.traffic(p.chosen) < traffic) for p in plans if p is not kept]
         if kept.chosen != plans[0].chosen and ledger.decisions > 1:

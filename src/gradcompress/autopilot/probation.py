@@ -35,8 +35,8 @@ LAYOUTS = ("flat", "hierarchical")
 #: before a mix: the same bytes' effect for fewer surprises; a step's time varies by more than this between blocks)
 PREFER_SIMPLER = 0.02
 #: steps each plan of a selection runs per block (the first after a switch not counted: a compressed plan's first
-#: step allocates its residuals; 2 plans: the selection ends 12 steps after it began, 3 plans: 18)
-BLOCK_STEPS = 3
+#: step allocates its residuals); n plans: the selection ends 4n steps after it began
+BLOCK_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Settling:
 class Selection:
     """The plans ``plans`` (``plans[0]``: the one running when it began) measured in blocks; ``order``: the plan
     index of each block; ``block``: the block running now, which ends at step ``at``; ``times[i]``: plan i's block
-    measures so far, each (step, wait on the collectives) in seconds."""
+    measures so far, each (step, wait on the collectives, compute) in seconds."""
 
     at: int
     plans: tuple
@@ -104,10 +104,11 @@ class Selection:
         """The index of the plan the current block runs."""
         return self.order[self.block]
 
-    def measured(self, step_s: float, wait_s: float = 0.0) -> "Selection":
-        """The current block ended, measured at ``step_s`` (``wait_s`` of it waiting on the collectives); the next
-        block (``done`` when none is left)."""
-        times = tuple(t + ((step_s, wait_s),) if i == self.running else t for i, t in enumerate(self.times))
+    def measured(self, step_s: float, wait_s: float = 0.0, compute_s: float = 0.0) -> "Selection":
+        """The current block ended, measured at ``step_s`` (``wait_s`` of it waiting on the collectives, ``compute_s``
+        computing); the next block (``done`` when none is left)."""
+        times = tuple(t + ((step_s, wait_s, compute_s),) if i == self.running else t
+                      for i, t in enumerate(self.times))
         return dataclasses.replace(self, at=self.at + BLOCK_STEPS, block=self.block + 1, times=times)
 
     @property
@@ -115,7 +116,7 @@ class Selection:
         return self.block >= len(self.order)
 
     def means(self, part: int = 0) -> list[float]:
-        """Each plan's mean block measure: its step (``part`` 0) or its wait (1)."""
+        """Each plan's mean block measure: its step (``part`` 0), its wait (1) or its compute (2)."""
         return [sum(x[part] for x in t) / len(t) if t else float("inf") for t in self.times]
 
 
