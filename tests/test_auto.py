@@ -578,3 +578,17 @@ def test_the_calibration_key_follows_the_librarys_source(monkeypatch, tmp_path):
     assert Autopilot(config, State(), Session(config)).costs.cache.file == str(tmp_path / "env.json")
     off = Config.parse("auto:cache=off", {})
     assert Autopilot(off, State(), Session(off)).costs.cache.file is None
+
+
+def test_a_block_without_a_counted_step_is_left_out():
+    """A selection's block whose steps were all aborted (measured 0) does not make its plan look fast."""
+    from gradcompress.autopilot.probation import Choice, Selection
+
+    sel = Selection.begin(3, [Choice.of({}), Choice.of(UNIFORM)])
+    for t in (0.2, 0.0, 0.15, 0.2):
+        sel = sel.measured(t, 0.0, 0.1)
+    assert sel.done and sel.means() == [0.2, 0.15]
+    empty = Selection.begin(3, [Choice.of({}), Choice.of(UNIFORM)])
+    for t in (0.2, 0.0, 0.0, 0.2):
+        empty = empty.measured(t)
+    assert empty.means() == [0.2, float("inf")]

@@ -187,7 +187,7 @@ class Autopilot(Coordinator):
     # ---------------------------------------------------------------- deciding and trying
     def _decide(self, decision: Decision, step_s: float, tried: bool = True) -> None:
         """Take ``decision``. Measured (no ``bandwidth=`` hint; ``tried``: not a change of regime): the current plan,
-        the model's, the best uniform one and dense are measured against each other (a :class:`Selection`), those a
+        the model's, the best uniform ones and dense are measured against each other (a :class:`Selection`), those a
         selection measured slower left out until the measurements move their way. Told: switch to the model's plan
         if it differs from the current one (measured for the layouts' comparison where there are nodes);
         ``step_s``: the current plan's measured step."""

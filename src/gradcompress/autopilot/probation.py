@@ -116,8 +116,13 @@ class Selection:
         return self.block >= len(self.order)
 
     def means(self, part: int = 0) -> list[float]:
-        """Each plan's mean block measure: its step (``part`` 0), its wait (1) or its compute (2)."""
-        return [sum(x[part] for x in t) / len(t) if t else float("inf") for t in self.times]
+        """Each plan's mean block measure: its step (``part`` 0), its wait (1) or its compute (2); blocks without a
+        counted step (their steps aborted) left out, a plan with none reads as infinitely slow."""
+        out = []
+        for t in self.times:
+            counted = [x[part] for x in t if x[0] > 0]
+            out.append(sum(counted) / len(counted) if counted else float("inf"))
+        return out
 
 
 def simplicity(choice: Choice) -> int:
