@@ -825,20 +825,18 @@ def link_drop(r: Results) -> list[str]:
     windows = [(i, min(i + 10, data["steps"])) for i in range(0, data["steps"], 10)]
     rows = []
     for s in data["schemes"]:
-        means = [f"{ms(sum(s['step_s'][a:b]) / (b - a))} ms" for a, b in windows]
-        rows.append([code(s["scheme"])] + means)
+        means = " / ".join(ms(sum(s["step_s"][a:b]) / (b - a)) for a, b in windows)
+        rows.append(f"{code(s['scheme'])} {means} ms")
     auto = scheme(data, "auto")
     dense = scheme(data, "ddp")["wire_bytes_per_step"]
     switched = next(i for i in range(drop, len(auto["step_wire_bytes"])) if auto["step_wire_bytes"][i] < dense)
-    header = ["scheme"] + [f"timed steps {a}–{b - 1}" + (" (after the drop)" if a == drop else "")
-                           for a, b in windows]
     out = ["### When the link drops mid-run", "",
            f"The compute-bound CNN (0.39M parameters), 4 hosts at {rate(data['bandwidth_bit'])}; before timed step "
            f"{drop} every uplink is reshaped to {change.group(2)} with `tc` (`--change`). Mean step time per 10 "
-           f"steps. `auto` was dense at the fast rate (it tried int4, measured it slower, went back); its first "
-           f"compressed step after the drop was timed step {switched}: it switched within {switched - drop + 1} "
-           f"steps, and probed {size(auto['auto']['probe_bytes'])} in all.", ""]
-    out += table(header, rows)
+           f"timed steps ({', '.join(f'{a}–{b - 1}' for a, b in windows)}): {'; '.join(rows)}. `auto` (before this "
+           f"session's selection) was dense at the fast rate (it tried int4, measured it slower, went back); its "
+           f"first compressed step after the drop was timed step {switched}: it switched within "
+           f"{switched - drop + 1} steps, and probed {size(auto['auto']['probe_bytes'])} in all.", ""]
     out += sources(r, [name])
     return out
 
