@@ -287,8 +287,10 @@ def _loop(cfg: dict, manager, net):
 
 
 def _fire(where: str, sig) -> None:
-    with open(os.path.join(where, f"fired{os.getpid()}"), "w") as f:
+    path = os.path.join(where, f"fired{os.getpid()}")
+    with open(path + ".tmp", "w") as f:  # renamed when written: the harness polls for the name, then reads it
         f.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
     if sig is None:  # cut this host's link both ways (inside its own namespace), and go on as if nothing happened
         for cmd in (["tc", "qdisc", "replace", "dev", IFNAME, "root", "netem", "loss", "100%"],
                     ["tc", "qdisc", "add", "dev", IFNAME, "ingress"],
