@@ -175,3 +175,18 @@ def test_event_clock_times_the_stream():
         x = x @ x / 4096
     b = clock.mark()
     assert clock.seconds(a, b) > 0
+
+
+def test_marks_never_resolved_are_bounded():
+    """Where no check ever settles them (a group of one), the pending marks keep at most PENDING_STEPS steps."""
+    from gradcompress.autopilot.measure import PENDING_STEPS
+
+    device = Device()
+    meter = Meter(StreamClock(device))
+    comm = AsyncCollectives(device)
+    plan, seen = Plan(None), (Seen((0,), ((10,),), torch.device("cpu")),)
+    for index in range(PENDING_STEPS + 20):
+        meter.step_started(comm)
+        comm.wait([comm.all_reduce(torch.zeros(10))])
+        meter.closed(StepRecord(index, plan, True, True, seen, False, 40, 0.0, False))
+    assert len(meter.marker.pending) == PENDING_STEPS

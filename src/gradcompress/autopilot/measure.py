@@ -43,6 +43,8 @@ PROBE_EVERY = 5
 MOVED = 0.25
 #: a change of the time waiting on collectives counts when it is at least this share of the step too
 WAIT_FLOOR = 0.1
+#: steps whose marks wait for a check at most (more than the steps between two checks of any sensible ``every``)
+PENDING_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +69,15 @@ class Marker:
     def __init__(self, clock=None):
         self.clock = clock if clock is not None else HostClock()
         self.chosen = clock is not None
-        self.pending: list[Marks] = []
+        #: bounded: where no check ever resolves them (a group of one) the oldest are dropped, not kept forever
+        self.pending: collections.deque = collections.deque(maxlen=PENDING_STEPS)
         self.start = None  # the current step's start mark
         self.excluded: tuple = ()  # the autopilot's own (before, after) marks inside the current step
 
     def use(self, clock) -> None:
         """Mark with ``clock`` from now on (the marks so far dropped)."""
-        self.chosen, self.clock, self.start, self.pending = True, clock, None, []
+        self.chosen, self.clock, self.start = True, clock, None
+        self.pending.clear()
 
     def seen(self, device) -> None:
         """The buckets live on ``device``: unless a clock was given, the clock of that device from now on."""
@@ -89,7 +93,8 @@ class Marker:
         self.start, self.excluded = mark, ()
 
     def take(self) -> list[Marks]:
-        taken, self.pending = self.pending, []
+        taken = list(self.pending)
+        self.pending.clear()
         return taken
 
 
