@@ -53,6 +53,7 @@ from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, posi
                      split_schemes)
 from .report import plot
 from .schemes import check, onebitadam_problem
+from ..testbed.lm import SIZES as LM_SIZES
 from .task import TASK_NAMES, TASKS, RunConfig, demo_worker, summarize
 
 DEFAULT_SCHEMES = (
@@ -75,6 +76,8 @@ DEFAULT_STEPS = 250
 #: the demo's telemetry: every 10th step the exact average too (plotted; its bytes are not in bytes/step)
 MONITOR_EVERY = 10
 DEFAULT_OUT = "./gradcompress-report/"
+#: seconds a step may take per scheme before the launch gives up, by the lm task's size (digits: as small)
+LM_STEP_BOUND = {"small": 1.0, "large": 8.0}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -108,6 +111,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--task", choices=TASK_NAMES, default="digits",
                    help="digits: the MLP on scikit-learn's digits with SGD (default); lm: a byte-level transformer "
                         "on Python's documentation text with AdamW and cosine decay, where compression can fail")
+    p.add_argument("--lm-size", choices=tuple(LM_SIZES), default="small",
+                   help="the lm task's model: small (2 blocks of width 128, 0.47M parameters; default) or large "
+                        "(4 blocks of width 256, 3.3M parameters, about 7x the steps' compute)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="minibatch per worker (default 32 digits, 16 windows of 64 bytes for lm)")
     p.add_argument("--lr", type=positive_float, default=None,
@@ -206,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     configs = [RunConfig(scheme=s, steps=args.steps, batch_size=batch_size,
                          lr=None if scheme_name(s) in (ONEBITADAM, DECOUPLED) else args.lr,  # their own lr
                          warmup_steps=args.warmup_steps, seed=args.seed, task=args.task,
-                         monitor_every=MONITOR_EVERY, eval_every=args.eval_every) for s in schemes]
+                         monitor_every=MONITOR_EVERY, eval_every=args.eval_every, lm_size=args.lm_size)
+               for s in schemes]
     data = TASKS[args.task].load(args.seed)
     sizes = (f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test" if args.task == "digits" else
              f"lm: {len(data['train'])} train / {len(data['val'])} validation bytes")
@@ -215,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with Progress(schemes, args.steps, enabled=not args.no_progress) as progress:
         per_rank = launch.run(demo_worker, args.workers, data, configs, progress.queue,
-                              timeout=120 + 1.0 * args.steps * len(configs))
+                              timeout=120 + LM_STEP_BOUND[args.lm_size] * args.steps * len(configs))
     runs = [summarize([r[i] for r in per_rank], cfg, args.workers) for i, cfg in enumerate(configs)]
     wall = time.perf_counter() - start
 
@@ -223,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(runs, args.workers))
     result = {
         "gradcompress": __version__,
-        "task": {**_task_info(args.task, data), "workers": args.workers, "steps": args.steps,
+        "task": {**_task_info(args.task, data, args.lm_size), "workers": args.workers, "steps": args.steps,
                  "batch_size_per_worker": batch_size, "warmup_steps": args.warmup_steps, "seed": args.seed},
         "wall_seconds": wall,
         "runs": runs,
@@ -252,11 +259,14 @@ def _versus_none(runs: list[dict], task: str) -> None:
                               if base and base["bytes_per_step"] and r["bytes_per_step"] else None)
 
 
-def _task_info(task: str, data: dict) -> dict:
+def _task_info(task: str, data: dict, lm_size: str = "small") -> dict:
     """What results.json says about the task: its data set, model and sizes."""
     if task == "lm":
+        blocks, width = LM_SIZES[lm_size]
+        params = sum(p.numel() for p in TASKS["lm"].make_model(RunConfig(task="lm", lm_size=lm_size)).parameters())
         return {"name": "lm", "dataset": "pydoc_data.topics (Python's documentation text), bytes",
-                "model": "byte-level transformer, 2 blocks, width 128, context 64 (0.47M parameters)",
+                "model": f"byte-level transformer, {blocks} blocks, width {width}, context 64 "
+                         f"({params / 1e6:.2f}M parameters)", "size": lm_size,
                 "train_bytes": len(data["train"]), "val_bytes": len(data["val"])}
     return {"name": "digits", "dataset": "sklearn digits", "model": "MLP 64-256-256-10",
             "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])}

@@ -82,6 +82,7 @@ class RunConfig:
     adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
     topology: Any = "auto"  # the Compressor's / optimizer's topology= (an int G: nodes of G workers)
     eval_every: int = 0  # > 0: rank 0 evaluates every this many steps (lm: validation loss), kept in eval_history
+    lm_size: str = "small"  # lm: the model's size (gradcompress.testbed.lm.SIZES)
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -92,6 +93,15 @@ class RunConfig:
         if self.parsed().inner == "muon" and self.task != "lm":
             raise CLIError(f"inner=muon runs on the lm task (--task lm), not {self.task}: the digits MLP trains "
                            "with SGD, whose learning rate is not Muon's")
+        self._check_lm_size()
+
+    def _check_lm_size(self) -> None:
+        from ..testbed.lm import SIZES
+
+        if self.lm_size not in SIZES:
+            raise CLIError(f"unknown lm model size {self.lm_size!r}; sizes: {', '.join(SIZES)}")
+        if self.lm_size != "small" and self.task != "lm":
+            raise CLIError(f"--lm-size {self.lm_size} sizes the lm task's model (--task lm), not {self.task}'s")
 
     def parsed(self) -> Scheme:
         """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
@@ -380,7 +390,7 @@ class LMTask:
     def make_model(self, cfg):
         from ..testbed import lm
 
-        return lm.make_model(cfg.seed)
+        return lm.make_model(cfg.seed, cfg.lm_size)
 
     def batches(self, data, rank, world, cfg):
         from ..testbed import lm

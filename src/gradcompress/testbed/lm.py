@@ -9,7 +9,9 @@ harmless on digits lose validation loss.
   code examples), shipped with every CPython, no download. Bytes (vocabulary 256); the
   last 10 % is the held-out validation split.
 * Model: a GPT-style decoder, 2 blocks, width 128, 4 heads, context 64, pre-LayerNorm,
-  learned positions, untied output layer: about 0.47M parameters.
+  learned positions, untied output layer: about 0.47M parameters (``size="small"``, the default);
+  ``size="large"`` has 4 blocks of width 256 (4 heads of 64): about 3.3M parameters, 7x as many,
+  to see how a scheme's gap to DDP moves with the model's size.
 * Training: every worker draws its own random windows of the training split (seeded by
   rank); AdamW (lr 3e-3, weight decay 0.01, betas 0.9/0.95) with cosine decay to 10 %;
   the validation loss is the mean cross-entropy (nats per byte) over fixed windows that
@@ -24,6 +26,8 @@ import torch
 import torch.nn as nn
 
 CONTEXT, WIDTH, HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 256
+#: the model sizes of ``make_model``: name -> (blocks, width); 4 heads in both
+SIZES = {"small": (LAYERS, WIDTH), "large": (4, 256)}
 LR, WEIGHT_DECAY, BETAS = 3e-3, 0.01, (0.9, 0.95)
 
 
@@ -72,9 +76,13 @@ class ByteGPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-def make_model(seed: int = 0) -> ByteGPT:
+def make_model(seed: int = 0, size: str = "small") -> ByteGPT:
+    """The task's model of ``size`` (a key of :data:`SIZES`), its weights drawn from ``seed``."""
+    if size not in SIZES:
+        raise ValueError(f"unknown lm model size {size!r}; sizes: {', '.join(SIZES)}")
+    layers, width = SIZES[size]
     torch.manual_seed(seed)
-    return ByteGPT()
+    return ByteGPT(width=width, layers=layers)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
