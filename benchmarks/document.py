@@ -42,6 +42,9 @@ RECIPE_SCHEMES = ("int2:diloco=100,inner=muon;int2:diloco=100;int2:diloco=100,fr
                   "int2:diloco=100,fragments=4,delay=5;int4:diloco=200;int4:diloco=200,inner=muon;"
                   "none:diloco=100,outer=sparseloco,inner=muon;int2:diloco=200,inner=muon;int2:diloco=50,inner=muon")
 RECIPE = "int2:diloco=100,fragments=4,delay=5,inner=muon"
+#: the second model size (issue 40): DDP's lr sweep, the recipe and blocking DiLoCo with AdamW inside
+LARGE_LRS = ("0.001", "0.003", "0.01")
+SIZE_SCHEMES = f"{RECIPE};int2:diloco=100"
 DILOCO_LM = "ddp;int8;int4;int4:diloco=50;int4:diloco=50,fragments=4,delay=5"
 DILOCO_MLP = "int4:diloco=50;int4:diloco=50,fragments=4,delay=10"
 
@@ -123,6 +126,13 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                             3, None),
     "time_to_loss": (f"{RECORD} time_to_loss -- python benchmarks/time_to_loss.py --recipe 'recipe={RECIPE}' "
                      "--plot docs/time-to-loss.png --json", 30, "needs root: network namespaces"),
+    "lm_large_ddp_lr_sweep_300": (f"{RECORD} lm_large_ddp_lr_sweep_300 " + " ".join(
+        f"--from /tmp/lml_{lr}/results.json" for lr in LARGE_LRS) + f" -- bash -c 'for LR in {' '.join(LARGE_LRS)}; "
+        f"do {LM_DEMO} --lm-size large --steps 300 --schemes none --lr $LR --no-progress --out /tmp/lml_$LR; done'",
+        11, None),
+    "lm_large_recipe_900": (f"{RECORD} lm_large_recipe_900 --from /tmp/lml_recipe/results.json -- {LM_DEMO} "
+                            f"--lm-size large --steps 900 --eval-every 50 --no-progress --schemes '{SIZE_SCHEMES}' "
+                            "--out /tmp/lml_recipe", 30, None),
     "lm_diloco_900": (f"{RECORD} lm_diloco_900 --from /tmp/lm_diloco/results.json -- {LM_DEMO} --steps 900 --schemes "
                       "'none:diloco=25;int4:diloco=25;int4:diloco=50;topk:ratio=0.03,values=int8,diloco=25' "
                       "--out /tmp/lm_diloco", 7, None),
@@ -1068,11 +1078,50 @@ def recipe_section(r: Results) -> list[str]:
             ["scheme", "seed", "val loss at 900", "vs the tuned DDP", "bytes/step", "fewer bytes per step than DDP",
              "reaches the target at step", ">= 1000x and at the target"], rows, right={2, 3, 4, 5, 6})
     out += pending(r, *RECIPE_RUNS)
+    out += size_table(r, tuned)
     if r.has("time_to_loss"):
         out += time_to_loss_table(r.get("time_to_loss"))
     out += pending(r, "time_to_loss")
-    present = [n for n in RECIPE_RUNS + ("time_to_loss",) if r.has(n)]
+    present = [n for n in RECIPE_RUNS + SIZE_RUNS + ("time_to_loss",) if r.has(n)]
     return out + (sources(r, present) if present else [])
+
+
+SIZE_RUNS = ("lm_large_ddp_lr_sweep_300", "lm_large_recipe_900")
+
+
+def loss_at(x: dict, step: int) -> float | None:
+    """The validation loss a run's ``eval_history`` holds for ``step`` (None: not evaluated there)."""
+    return next((loss for s, loss in x.get("eval_history") or [] if s == step), None)
+
+
+def size_table(r: Results, tuned_small: dict) -> list[str]:
+    """The recipe and blocking DiLoCo with AdamW inside against the lr-tuned DDP, at both model sizes: bytes, and
+    the loss at DDP's 300 steps and at 900."""
+    if not all(r.has(n) for n in SIZE_RUNS):
+        return pending(r, *SIZE_RUNS)
+    sizes = [("small", tuned_small, r.get("lm_recipe_900")),
+             ("large", min(r.get("lm_large_ddp_lr_sweep_300")["runs"], key=lambda x: x["val_loss"]),
+              r.get("lm_large_recipe_900"))]
+    rows = []
+    for label, ddp, data in sizes:
+        rows.append([label, "DDP", f"lr {ddp['lr']:g}", f"{ddp['val_loss']:.4f}", "–", size(ddp["bytes_per_step"]),
+                     "1x"])
+        for name in SIZE_SCHEMES.split(";"):
+            x = run(data, name)
+            rows.append([label, code(name), "lr 0.003", pct(loss_at(x, 300), ddp["val_loss"]),
+                         pct(x["val_loss"], ddp["val_loss"]), size(x["bytes_per_step"]),
+                         fewer(ddp["bytes_per_step"] / x["bytes_per_step"])])
+    large = r.get("lm_large_ddp_lr_sweep_300")
+    lrs = ", ".join(f"{x['lr']:g}: {x['val_loss']:.4f}" for x in large["runs"])
+    return ["", "### A second model size", "",
+            f"The same comparison on the LM task's `--lm-size large` model ({large['task']['model']}) against the "
+            "small one (0.47M parameters): the recipe (streamed, Muon inside) and blocking DiLoCo (int2, H = 100, "
+            "AdamW inside), against the "
+            "lr-tuned DDP of that size (its 300-step validation loss; large DDP's lr sweep, 300 steps: "
+            f"{lrs}). `at 300`: the recipe's validation loss at step 300 of its 900 (DDP's steps), `at 900`: at "
+            "the end; both against DDP's 300-step loss.", ""] + table(
+        ["size", "run", "lr", "val loss (DDP) / at 300", "at 900", "bytes/step", "fewer bytes per step"], rows,
+        right={3, 4, 5, 6})
 
 
 def time_to_loss_table(data: dict) -> list[str]:

@@ -39,8 +39,8 @@ def test_diloco_refuses_what_it_cannot_do_under_a_manager():
     from gradcompress.optim import DiLoCo
 
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="use fragments=1, delay=0 with manager"):
-        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=4, fragments=2, manager=object())
+    with pytest.raises(ValueError, match=r"delay must be at most sync_every // fragments \(2\); got delay=3"):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=4, fragments=2, delay=3, manager=object())
     with pytest.raises(ValueError, match="process_group and a hierarchical topology do not apply"):
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=4, topology=2, manager=object())
 

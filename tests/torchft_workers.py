@@ -23,14 +23,16 @@ from gradcompress.testbed.faults import data, digest, make_manager, model, rende
 
 
 def diloco_replica(cfg):
-    """One replica running DiLoCo under torchft (H = ``sync_every``); logs each sync."""
+    """One replica running DiLoCo under torchft (H = ``sync_every``; streamed with ``fragments``, ``delay``); logs
+    each sync (each apply of a fragment)."""
     from gradcompress.optim import DiLoCo
 
     x, y = data()
     net = model()
     manager, store = make_manager(cfg, (None, None))
     inner = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    opt = DiLoCo(net, inner, sync_every=cfg["sync_every"], codec=cfg["spec"], manager=manager)
+    opt = DiLoCo(net, inner, sync_every=cfg["sync_every"], codec=cfg["spec"], manager=manager,
+                 fragments=cfg.get("fragments", 1), delay=cfg.get("delay", 0))
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"])
     rendezvous(cfg, announce=False)  # a restarted replica announces itself just before its first sync

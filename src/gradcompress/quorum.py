@@ -56,11 +56,17 @@ def managed_group(manager):
     return ManagedProcessGroup(manager).parent
 
 
-def under(manager, *, group=None, state_key: str | None = None, process_group=None):
+def under(manager, *, group=None, state_key: str | None = None, process_group=None, phase: int = 0,
+          schedule=None):
     """The coordinator factory of a Compressor under ``manager`` (``Compressor(spec, coordinator=under(m))``):
     ``group``: the replica group's own process group, for replica groups of several processes (see
     :meth:`Quorum.mine`); ``state_key``: the name of its shared state in torchft's transfer (default
-    ``"gradcompress"``, then ``"gradcompress.1"``...); ``process_group``: the group given to the Manager."""
+    ``"gradcompress"``, then ``"gradcompress.1"``...); ``process_group``: the group given to the Manager;
+    ``phase``: which of several exchanges sharing the Manager this one is (streaming DiLoCo: its fragment): a step
+    whose replicas are at different phases (a replica that just joined, not yet healed) fails on every replica;
+    ``schedule``: what decides the phase, an object with ``position() -> int`` and ``agree(position)`` (DiLoCo's
+    count of inner steps): at every step each member is told the position of the quorum's first participating
+    member, so a replica that joined or missed a quorum takes up its peers' schedule."""
 
     def make(compressor):
         if compressor.options.auto is not None:
@@ -69,7 +75,7 @@ def under(manager, *, group=None, state_key: str | None = None, process_group=No
         if compressor.options.topology not in ("auto", "flat"):
             raise ValueError(f"gradcompress under torchft: topology must be 'flat' (the replica groups are the "
                              f"quorum's members), got {compressor.options.topology!r}")
-        return Quorum(compressor, manager, group, state_key, process_group)
+        return Quorum(compressor, manager, group, state_key, process_group, phase, schedule)
 
     return make
 
@@ -197,8 +203,10 @@ class Quorum(Coordinator):
 
     checks_group = False  # each membership is checked at every step; torchft's init_sync makes replicas start alike
 
-    def __init__(self, compressor, manager, group=None, state_key: str | None = None, process_group=None):
-        self.manager, self.config, self.group = manager, compressor.options, group
+    def __init__(self, compressor, manager, group=None, state_key: str | None = None, process_group=None,
+                 phase: int = 0, schedule=None):
+        self.manager, self.config, self.group, self.phase = manager, compressor.options, group, int(phase)
+        self.schedule = schedule
         self.comm = QuorumCollectives(manager, process_group if process_group is not None else managed_group(manager))
         self.token = int.from_bytes(os.urandom(7), "little")  # this replica process, among the quorum's members
         self.members: tuple | None = None
@@ -212,8 +220,9 @@ class Quorum(Coordinator):
                                        lambda: shared_state(compressor))
 
     def collectives(self) -> QuorumCollectives:
-        """Wait for the quorum, then learn this replica's rank and the members (one all-gather of 16 bytes per
-        replica, not counted in ``wire_bytes``); ``RuntimeError`` on every replica if their configurations differ."""
+        """Wait for the quorum, then learn this replica's rank and the members (one all-gather of 40 bytes per
+        replica, not counted in ``wire_bytes``); ``RuntimeError`` on every replica if their configurations differ;
+        the step fails on every replica (reported to the Manager) if their phases differ; the schedule agrees."""
         self.manager.wait_quorum()
         self.settle(final=True)
         comm = self.comm
@@ -222,7 +231,10 @@ class Quorum(Coordinator):
             comm.world, comm.rank, self.fresh = 1, 0, False
             return comm
         comm.world, comm.rank = comm.pg.size(), 0
-        outs = comm.members(torch.tensor([self.token, zlib.crc32(self.config.text().encode())], dtype=torch.int64))
+        position = self.schedule.position() if self.schedule is not None else 0
+        mine = torch.tensor([self.token, zlib.crc32(self.config.text().encode()), self.phase, position,
+                             int(self.manager.is_participating())], dtype=torch.int64)
+        outs = comm.members(mine)
         if outs is None:
             self.fresh = False
             return comm
@@ -231,6 +243,12 @@ class Quorum(Coordinator):
             raise RuntimeError(f"gradcompress: the replicas of the quorum are configured differently (this one: "
                                f"{self.config.text()[:300]}); every replica must pass the same spec and options")
         comm.rank, self.fresh, self.members = tokens.index(self.token), tokens != self.members, tokens
+        if self.schedule is not None:  # the first participating member's (a healing one follows its peers)
+            self.schedule.agree(int(min(outs, key=lambda o: (-int(o[4]), int(o[0])))[3]))
+        phases = sorted({int(o[2]) for o in outs})
+        if len(phases) > 1:  # the members would exchange different tensors: the step is lost on every replica
+            comm.fail(RuntimeError(f"gradcompress: the replicas of the quorum are at different phases {phases} "
+                                   f"(this one: {self.phase}); the step is discarded"))
         return comm
 
     def open(self, comm, index: int) -> Terms:

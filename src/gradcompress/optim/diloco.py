@@ -56,6 +56,7 @@ DiLoCo's whole group is refused (there would be nothing left to average).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import time
 
@@ -167,7 +168,11 @@ class DiLoCo:
             starts a quorum, averages the outer gradients of the live replicas (a rejoining replica sends zeros),
             and applies the outer step only if ``manager.should_commit()`` agrees; a rejoining replica receives
             the anchor, the outer optimizer's state and the step counters. The replicas must start from the same
-            parameters (the same seed): nothing is broadcast at construction.
+            parameters (the same seed): nothing is broadcast at construction. Streaming under torchft: each
+            fragment's exchange is one torchft step (``delay`` at most ``sync_every // fragments``: applied before
+            the next is sent); one that fails (a peer died, the quorum changed) is skipped on every replica and its
+            fragment restarts from its anchor; a replica that joins heals at its first exchange (the exchange
+            fails if it sent another fragment than its peers) and restarts every fragment from the anchors.
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
     runs the inner optimizer's step and, every ``sync_every`` calls, the sync;
@@ -192,13 +197,13 @@ class DiLoCo:
         self.sync_every = int(sync_every)
         layers = _layers_of(model_or_params, self.params)
         self.fragments, self.delay, self.mix = streaming.check(fragments, delay, mix, self.sync_every, len(layers))
-        _check_combination(self.fragments, self.delay, manager, model_or_params, codec)
+        _check_combination(self.fragments, self.delay, manager, model_or_params, codec, self.sync_every)
         self.manager = manager
-        if self.delay > 0 and (process_group is not None or default_group() is not None):
+        if self.delay > 0 and manager is None and (process_group is not None or default_group() is not None):
             # the exchanges in flight get a group of their own: collectives the training thread issues meanwhile
             # (a logged loss, a barrier) cannot interleave with them
             process_group = _own_group(process_group)
-        build = Compressor if manager is None else _managed(manager, process_group, topology)
+        build = Compressor if manager is None else _managed(manager, process_group, topology, _Schedule(self))
         if sparse:
             def make():
                 return _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed,
@@ -225,6 +230,9 @@ class DiLoCo:
         self.inner_steps = 0
         self.syncs = 0
         self.skipped = 0
+        self.sent_at = 0  # the inner step of the latest send (its position in the schedule)
+        self.agreed: int | None = None  # under torchft: the quorum's position for that send (:meth:`agree`)
+        self.healed = False  # under torchft: this replica took a peer's anchors in the exchange in flight
         if manager is not None:  # a rejoining replica receives the anchor, outer state and counters
             manager.register_state_dict_fn(f"{self.compressor.coordinator.state_key}.diloco", self._load_shared,
                                            self._shared_state)
@@ -254,9 +262,9 @@ class DiLoCo:
         is skipped on every rank and it restarts from its unchanged anchor (``stats()["skipped"]``).
         """
         finite = True
+        for f in sorted(self.flight):  # first: no exchange runs on the courier while the training thread sends
+            finite &= self._apply(f)
         for f in range(self.fragments):
-            if f in self.flight:
-                finite &= self._apply(f)
             self._send(f, self.inner_steps, now=True)
             finite &= self._apply(f)
         return finite
@@ -267,6 +275,7 @@ class DiLoCo:
             flight = self.flight.get(f)
             if flight is not None and flight.apply_at <= t:
                 self._apply(f)
+        t = self.inner_steps  # a replica healed at that apply counts as its peers now
         for f in range(self.fragments):
             if streaming.due(t, f, self.fragments, self.sync_every):
                 self._send(f, t, now=self.delay == 0)
@@ -276,6 +285,7 @@ class DiLoCo:
     @torch.no_grad()
     def _send(self, f: int, t: int, now: bool) -> None:
         """Fragment f's outer gradients (anchor - local), handed to the courier (``now``: exchanged at once)."""
+        self.sent_at = t
         if self.manager is not None:
             self.manager.start_quorum()  # who is live now; a rejoining replica heals at should_commit below
         keys = self.parts[f]
@@ -284,16 +294,12 @@ class DiLoCo:
         if self.outer_kind == "sparseloco" and self.error_decay != 1.0:
             self._decay_residuals(comp, keys, grads)
 
-        def exchange() -> bool:
+        def exchange():
             before = comp.stats()["wire_bytes"]
             with comp.step(self._local) as step:
                 step.drive([step.exchange(keys, grads)])
             self.sync_bytes.append(comp.stats()["wire_bytes"] - before)
-            if self.manager is not None:
-                agreed = self.manager.should_commit()
-                step.decide(agreed)
-                return bool(agreed and step.finite)
-            return bool(step.committed)
+            return step if self.manager is not None else bool(step.committed)  # torchft: decided at the apply
 
         self.flight[f] = streaming.InFlight(f, grads, t + self.delay, self.courier.send(exchange, now))
 
@@ -301,12 +307,14 @@ class DiLoCo:
     def _apply(self, f: int) -> bool:
         """Wait for fragment f's exchange, step its anchors by the average (skipped if some rank was non-finite),
         blend them into the local parameters (``mix``)."""
+        finite = self._settled(f)
         flight = self.flight.pop(f)
-        start = time.perf_counter()
-        finite = flight.result.result()
-        self.wait_seconds += time.perf_counter() - start
         keys = self.parts[f]
         self.syncs += 1
+        healed, self.healed = self.healed, False
+        agreed, self.agreed = self.agreed, None
+        if agreed is not None:  # count as the quorum did (its send step, plus the steps since this one's send)
+            self.inner_steps = agreed + self.inner_steps - (flight.apply_at - self.delay)
         if finite:
             for i, g in zip(keys, flight.grads):
                 self.anchor[i].grad = g
@@ -315,12 +323,27 @@ class DiLoCo:
                 self.anchor[i].grad = None
         else:
             self.skipped += 1
-        for i in keys:  # a skipped (non-finite) fragment restarts from its anchor, whatever the mix
-            if self.mix == 1.0 or not finite:
+        for i in range(len(self.params)) if healed else keys:  # healed: every fragment restarts from its anchor
+            if self.mix == 1.0 or not finite or healed:  # so does a skipped one
                 self.params[i].copy_(self.anchor[i])
             else:
                 self.params[i].mul_(1.0 - self.mix).add_(self.anchor[i], alpha=self.mix)
         return finite
+
+    def _settled(self, f: int) -> bool:
+        """Fragment f's exchange waited for and, under torchft, decided: whether its update applies. The Manager
+        is asked (``should_commit``) here, in the training thread, never in the courier's: healing a replica
+        loads the user's state too (the Manager's ``load_state_dict``), which must not run during a backward."""
+        flight = self.flight[f]
+        start = time.perf_counter()
+        outcome = flight.result.result()
+        if not isinstance(outcome, bool):  # a step under torchft, closed and waiting for the Manager's decision
+            agreed = self.manager.should_commit()
+            outcome.decide(agreed)
+            outcome = bool(agreed and outcome.finite)
+            self.flight[f] = flight._replace(result=streaming.done(outcome))
+        self.wait_seconds += time.perf_counter() - start
+        return outcome
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
@@ -345,7 +368,7 @@ class DiLoCo:
         (tensors and plain values: ``torch.load(..., weights_only=True)`` reads it). Streaming: a fragment whose
         exchange is in flight is waited for first (every rank runs it, whoever saves), and its averaged outer
         gradients are saved with the step they apply at: a resumed run applies them there, exactly."""
-        finished = {f: x.result.result() for f, x in self.flight.items()}  # first: their Compressors commit
+        finished = {f: self._settled(f) for f in list(self.flight)}  # first: their Compressors commit
         state = {"anchor": [a.detach().clone() for a in self.anchor], "outer": self.outer.state_dict(),
                  "inner": self.inner.state_dict(), "compressor": self.compressor.state_dict(),
                  "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped}
@@ -389,16 +412,24 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ torchft's state transfer
     def _shared_state(self) -> dict:
-        """What a rejoining replica receives (from torchft's quorum thread: copies, no collective)."""
+        """What a rejoining replica receives (from torchft's quorum thread, during this replica's exchange: copies,
+        no collective). Nothing else is in flight then (:func:`_check_combination`: one exchange at a time, applied
+        before the next send), and the training thread touches the anchors and the outer state only when applying
+        this exchange, which waits for the quorum: they are the state before it. The step count is agreed in
+        the exchange itself (:meth:`agree`)."""
         return {"anchor": [a.detach().clone() for a in self.anchor], "outer": _cloned(self.outer.state_dict()),
-                "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped}
+                "syncs": self.syncs, "skipped": self.skipped}
 
     @torch.no_grad()
     def _load_shared(self, state: dict) -> None:
+        """A peer's :meth:`_shared_state` (torchft heals this replica inside ``should_commit``, which
+        :meth:`_settled` asks just before the apply): every fragment restarts from its anchor at that apply."""
         for a, saved in zip(self.anchor, state["anchor"]):
             a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-        self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
+        self.syncs, self.skipped = state["syncs"], state["skipped"]
+        self.healed = True
+
 
     # ------------------------------------------------------------------ internals
     def _decay_residuals(self, comp, keys: list[int], outer_grads: list[torch.Tensor]) -> None:
@@ -465,11 +496,13 @@ def _outer_optimizer(anchor, sparse: bool, lr, momentum, nesterov, make) -> torc
     return outer
 
 
-def _check_combination(fragments: int, delay: int, manager, model_or_params, codec) -> None:
+def _check_combination(fragments: int, delay: int, manager, model_or_params, codec, sync_every: int) -> None:
     """What DiLoCo refuses to combine, each with the reason."""
-    if manager is not None and (fragments > 1 or delay > 0):
-        raise ValueError("DiLoCo: streaming (fragments > 1 or delay > 0) under torchft is not supported: each "
-                         "sync is one torchft step; use fragments=1, delay=0 with manager=...")
+    if manager is not None and delay > sync_every // fragments:
+        raise ValueError(f"DiLoCo: under torchft (manager=...) each fragment's exchange is one torchft step, and a "
+                         f"Manager runs one step at a time: a fragment must be applied before the next is sent, so "
+                         f"delay must be at most sync_every // fragments ({sync_every // fragments}); got "
+                         f"delay={delay}")
     if delay > 0 and isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("DiLoCo: delay > 0 with a model wrapped in DDP is not supported: DDP's all-reduce and "
                          "the overlapped outer exchange would share the node's group; use delay=0")
@@ -496,15 +529,35 @@ def _cloned(value):
     return value
 
 
-def _managed(manager, process_group, topology):
+class _Schedule:
+    """A DiLoCo's fragment schedule as its quorum sees it (:func:`gradcompress.quorum.under`'s ``schedule``)."""
+
+    def __init__(self, opt: DiLoCo):
+        self.opt = opt
+
+    def position(self) -> int:
+        """The inner step of the send being exchanged: where the replica is in the fragment schedule."""
+        return self.opt.sent_at
+
+    def agree(self, position: int) -> None:
+        """The quorum's position for the send being exchanged (its first participating member's): the replica
+        counts from it once the exchange is applied (one that joined or missed a quorum, whose sends would not
+        pair with its peers', takes up their schedule; the exchange fails if they sent different fragments)."""
+        self.opt.agreed = position
+
+
+def _managed(manager, process_group, topology, schedule):
     """The Compressor class for DiLoCo under torchft's ``manager`` (its outer exchange on the live quorum)."""
 
     if process_group is not None or topology not in (None, "auto", "flat"):
         raise ValueError("DiLoCo: under torchft (manager=...) the outer exchange runs between the replicas of the "
                          "quorum: process_group and a hierarchical topology do not apply")
 
+    phases = itertools.count()  # fragment f's Compressor is built f-th: its exchanges are phase f
+
     def build(codec, *, process_group=None, topology=None, **options):
-        return Compressor(codec, topology="flat", coordinator=under(manager), **options)
+        coordinator = under(manager, phase=next(phases), schedule=schedule)
+        return Compressor(codec, topology="flat", coordinator=coordinator, **options)
 
     return build
 

@@ -48,6 +48,8 @@ EVENTS = 12
 #: standbys forked ahead of their turn (each then sets up DDP while the others train)
 LOOKAHEAD = 2
 IFNAME = "gcveth"  # a testbed host's link (:mod:`.netns`)
+#: streaming DiLoCo in the scenarios (``mode="streaming"``): 2 fragments, applied one inner step after their send
+STREAMING = {"fragments": 2, "delay": 1}
 #: seconds each replica sleeps per step: the digits MLP's steps take milliseconds, and replicas that spin on them
 #: starve the standbys' start of the 2 cores
 PACE = 0.02
@@ -125,6 +127,7 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
     manager, _store = faults.make_manager(cfg, (lambda sd: net.load_state_dict(sd), lambda: net.state_dict()))
     train, comp, record = _loop(cfg, manager, net)
     sig = {"stop": signal.SIGSTOP, "cut": None}.get(cfg.get("kind"), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the scenario's end (:func:`_drain`), not a fault
     wire = Tripwire(comp, cfg["event"], lambda: _fire(where, sig)) if cfg.get("after") is not None else None
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + (cfg.get("standby") or 0))
@@ -221,9 +224,15 @@ class Forked:
         return self.poll()
 
     def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -268,20 +277,25 @@ def _loop(cfg: dict, manager, net):
         return train, ddp.compressor, net.parameters
 
     from ..optim import DiLoCo
+    from ..optim.streaming import due
 
-    opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=3e-3), sync_every=cfg["sync_every"], codec=cfg["spec"],
-                 manager=manager)
+    h = cfg["sync_every"]
+    opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=3e-3), sync_every=h, codec=cfg["spec"],
+                 manager=manager, **(STREAMING if cfg["mode"] == "streaming" else {}))
 
     def train(x, y, arm, wire):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
-        syncing = (opt.inner_steps + 1) % cfg["sync_every"] == 0
-        if syncing:
+        t = opt.inner_steps + 1
+        sending = due(t, 0, opt.fragments, h)  # fragment 0 (DiLoCo: the whole model) is sent after this step
+        flight = opt.flight.get(0)
+        applying = (sending and opt.delay == 0) or (flight is not None and flight.apply_at <= t)
+        if sending:
             arm()
-        opt.step()  # at a sync: start_quorum, the exchange, should_commit, the outer step
-        if syncing and wire is not None:
-            wire.after()  # past the sync's last event: killed after it, before the next inner step
-        return syncing
+        opt.step()  # a send: start_quorum, the exchange (streamed: on the courier), should_commit; an apply
+        if applying and wire is not None:
+            wire.after()  # past the exchange's last event: killed after its apply, before the next inner step
+        return applying
 
     return train, opt.compressor, lambda: opt.anchor
 
@@ -304,9 +318,10 @@ def _fire(where: str, sig) -> None:
 def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str = "kill", mode: str = "ddp",
                sync_every: int = 4, heartbeat_ms: int = 500, limit: float = 600.0, tail: int = 4) -> dict:
     """One family's scenario (see the module docstring): the kills drawn, then ``tail`` steps after the last heal.
-    Returns :func:`verdict` of its log, with the exit codes and the seconds it took. ``mode``: ``ddp`` or
-    ``diloco`` (``sync_every``: H; the exchange is the outer sync)."""
-    s = faults.Scenario(where, 2 if mode == "diloco" else 1, command=SELF, heartbeat_ms=heartbeat_ms, join_ms=100,
+    Returns :func:`verdict` of its log, with the exit codes and the seconds it took. ``mode``: ``ddp``,
+    ``diloco`` (``sync_every``: H; the exchange is the outer sync) or ``streaming`` (:data:`STREAMING`: the kills
+    land in fragment 0's exchange, run by the courier thread, or after its apply; a row per apply of fragment 0)."""
+    s = faults.Scenario(where, 1 if mode == "ddp" else 2, command=SELF, heartbeat_ms=heartbeat_ms, join_ms=100,
                         limit=limit, spec=spec, mode=mode, sync_every=sync_every, timeout=5, quorum_timeout=60,
                         pg_timeout=3)
     start = time.time()
@@ -337,12 +352,14 @@ def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str
         s.wait_until(healed, "the last standby to heal")
         last = max(r["step"] for r in s.rows())
         s.wait_until(lambda: max(r["step"] for r in s.rows()) >= last + tail, "the last steps")
+        final = max(r["step"] for r in s.rows())
         open(os.path.join(where, "stop"), "w").close()
         open(os.path.join(where, "stop-zygote"), "w").close()
+        _drain(s, survivors + standbys[-1:])
         s.finish()
         codes = {"survivors": [p.returncode for p in survivors], "standbys": [p.poll() for p in standbys]}
         return {**verdict(s.rows(), len(kills)), "exit_codes": codes, "seconds": time.time() - start,
-                "stalls": stalls}
+                "stalls": stalls, "behind": behind(s.rows(), final)}
     finally:
         for p in standbys if "standbys" in locals() else []:
             p.kill()
@@ -410,11 +427,12 @@ def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bi
         until(lambda: any(r.get("standby") == len(cuts) and r["committed"] for r in rows()), "the last victim to heal")
         end = max(r["step"] for r in rows())
         until(lambda: max(r["step"] for r in rows()) >= end + tail, "the last steps")
+        final = max(r["step"] for r in rows())
         open(os.path.join(where, "stop"), "w").close()
         until(lambda: all(p.poll() is not None for p in survivors + victims[-1:]), "every replica to finish")
         codes = {"survivors": [p.returncode for p in survivors], "standbys": [p.returncode for p in victims]}
         return {**verdict(rows(), len(cuts)), "exit_codes": codes, "seconds": time.time() - start,
-                "stalls": stalls}
+                "stalls": stalls, "behind": behind(rows(), final)}
     finally:
         bed.down()
 
@@ -428,6 +446,33 @@ def _restore(bed, host: int, rate_bit: float) -> None:
     subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", "handle", "1:", "tbf", "rate",
                     f"{int(rate_bit)}bit", "burst", str(netns.tbf_burst_bytes(rate_bit)), "latency", "100ms"],
                    check=True, capture_output=True)
+
+
+#: a survivor whose last committed step is more than this many steps behind the scenario's last one stopped going on
+LAG = 4
+#: seconds the replicas still running get to stop by themselves once one has stopped
+GRACE = 3.0
+
+
+def _drain(s, procs: list) -> None:
+    """The scenario's end: the replicas stop at the file ``stop`` when they next look (between steps); one that
+    is then waiting for a quorum its stopped peers will never join (DiLoCo's lighthouse wants 2 replicas) is
+    still waiting :data:`GRACE` seconds after the first stopped: it is asked to stop (SIGTERM, exit code 0).
+    :func:`behind` tells a survivor that had stopped going on before the end."""
+    s.wait_until(lambda: any(p.poll() is not None for p in procs), "a replica to stop")
+    end = time.time() + GRACE
+    while time.time() < end and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+
+
+def behind(rows: list[dict], final: int) -> list[int]:
+    """The survivors (replicas 0 and 1) whose last committed step is more than :data:`LAG` steps before
+    ``final`` (the last step of any replica when the scenario ended)."""
+    last = {n: max((r["step"] for r in rows if r["replica"] == n and r["committed"]), default=-1) for n in (0, 1)}
+    return [n for n, step in last.items() if step < final - LAG]
 
 
 def _fired(where: str, proc: subprocess.Popen) -> bool:
