@@ -79,9 +79,6 @@ def test_a_hung_replica_is_left_behind(tmp_path, family):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="issue 38, open: in CI on 2026-12-05 a replacement replica crashed before its cut "
-                         "(AssertionError 'process group not initialized' from pg.size() after a failed configure; "
-                         "quorum.py now checks errored() first, not re-run); flaky under CPU contention before")
 @pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"namespace testbed: {NETNS_PROBLEM}")
 def test_a_cut_link_is_left_behind(tmp_path):
     """On the namespace testbed (4 hosts' links shaped at 1 Gbit/s), the victim's link drops every packet both ways

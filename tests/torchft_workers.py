@@ -63,19 +63,9 @@ def group_replica(cfg):
     """One process of a replica group of 2: DDP inside the group on its own gloo group, gradcompress's managed
     ``synchronize`` between the groups (each group rank exchanges with the same group rank of the other groups)."""
     import torch.distributed as dist
-    from torch.distributed import TCPStore
     from torchft.optim import OptimizerWrapper
 
-    g, name = cfg["group_rank"], os.path.join(cfg["dir"], f"store{cfg['replica']}")
-    if g == 0:
-        store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
-        with open(name + ".tmp", "w") as f:
-            f.write(str(store.port))
-        os.replace(name + ".tmp", name)
-    else:
-        wait_for(name)
-        store = TCPStore("127.0.0.1", int(open(name).read()), world_size=2, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=g, world_size=2)
+    g, store = cfg["group_rank"], _join_group(cfg)
     x, y = data()
     net = model()
     ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -105,6 +95,79 @@ def group_replica(cfg):
         log.write(json.dumps({"replica": cfg["replica"], "group_rank": g, "step": step, "committed": manager.current_step() > step, "participants":
                               manager.num_participants(), "params": digest(net.parameters()),
                               "state_step": comp.state_dict()["step"], "grads": [before, after], "rank": comp.coordinator.comm.rank, "silent": silent}) + "\n")
+        log.flush()
+    manager.shutdown(wait=False)
+
+
+def _join_group(cfg):
+    """This process's replica group of 2 as the default process group (gloo; a TCPStore its group rank 0 serves,
+    its port in the file ``store<replica>``): the store."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    g, name = cfg["group_rank"], os.path.join(cfg["dir"], f"store{cfg['replica']}")
+    if g == 0:
+        store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+        with open(name + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(name + ".tmp", name)
+    else:
+        wait_for(name)
+        store = TCPStore("127.0.0.1", int(open(name).read()), world_size=2, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=g, world_size=2)
+    return store
+
+
+def hsdp_replica(cfg):
+    """One process of a replica group of 2 under compressed HSDP: the MLP sharded over the group's own 1-D mesh
+    (FSDP's reduce-scatter inside the group), ``register_fsdp(..., manager=)`` between the groups; torchft heals a
+    group rank from its peer's local shards. Logs each step: its shards' digest and the loss on the whole data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchft.optim import OptimizerWrapper
+
+    import gradcompress
+
+    g, store = cfg["group_rank"], _join_group(cfg)
+    mesh = init_device_mesh("cpu", (2,))
+    x, y = data()
+    net = model()
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+
+    def shards():
+        return [p.to_local() for p in net.parameters()]
+
+    def load(state):
+        with torch.no_grad():
+            for t, saved in zip(shards(), state["shards"]):
+                t.copy_(saved)
+
+    manager, _ = make_manager(cfg, (load, lambda: {"shards": [t.detach().clone() for t in shards()]}),
+                              group_rank=g, group_world=2, store_port=store.port)
+    comp = gradcompress.register_fsdp(net, cfg["spec"], mesh=mesh, manager=manager)
+    optimizer = OptimizerWrapper(manager, torch.optim.SGD(net.parameters(), lr=0.1))
+    log = open(cfg["log"], "a")
+    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + g)
+    if g == 0 or not cfg.get("restarted"):
+        rendezvous(cfg)
+    while manager.current_step() < cfg["steps"]:
+        step = manager.current_step()
+        if cfg.get("kill_at") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("pause_at") == step:
+            wait_for(os.path.join(cfg["dir"], "rejoined"))
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        optimizer.zero_grad()  # the step's quorum
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()  # FSDP's hooks: the compressed exchange
+        optimizer.step()  # only if manager.should_commit()
+        with torch.no_grad():
+            full = float(torch.nn.functional.cross_entropy(net(x), y))  # an FSDP forward: both group ranks
+        log.write(json.dumps({"replica": cfg["replica"], "group_rank": g, "step": step,
+                              "committed": manager.current_step() > step, "participants": manager.num_participants(),
+                              "params": digest(shards()), "loss": full, "wire": comp.stats()["wire_bytes"]}) + "\n")
         log.flush()
     manager.shutdown(wait=False)
 
@@ -139,6 +202,7 @@ def blocked_replica(cfg):
 
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
-    kinds = {"ddp": replica_main, "diloco": diloco_replica, "group": group_replica, "blocked": blocked_replica}
+    kinds = {"ddp": replica_main, "diloco": diloco_replica, "group": group_replica, "blocked": blocked_replica,
+             "hsdp": hsdp_replica}
     kinds[cfg.get("kind", "ddp")](cfg)
     os._exit(0)

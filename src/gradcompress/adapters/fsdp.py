@@ -51,6 +51,7 @@ import torch.distributed as dist
 from ..codecs.base import Aggregation
 from ..collectives import finish
 from ..compressor import FSDP_KEY_PREFIX, Compressor
+from ..quorum import under
 from ..topology import Topology
 from .fsdp_params import CompressedAllGather, param_codec
 
@@ -191,7 +192,7 @@ def _fsdp_modules(model) -> list:
     return modules
 
 
-def register_fsdp(model: torch.nn.Module, spec, *, replicate_group=None, mesh=None, params=None,
+def register_fsdp(model: torch.nn.Module, spec, *, replicate_group=None, mesh=None, params=None, manager=None,
                   **options) -> Compressor:
     """One line for FSDP2: ``compressor = gradcompress.register_fsdp(model, "int8")``.
 
@@ -207,6 +208,7 @@ def register_fsdp(model: torch.nn.Module, spec, *, replicate_group=None, mesh=No
     is compressed. ``mesh``: the same from a 2-D ``DeviceMesh`` (dim 0 replicate, dim 1 shard; the model sharded
     over ``mesh[1]``). ``params``: ``"int8"`` or ``"bf16"`` compresses the parameters' all-gathers
     (:mod:`gradcompress.adapters.fsdp_params`: the sharded parameters stay exact); None (default) leaves them exact.
+    ``manager``: HSDP under torchft (:func:`_managed_options`): the replicate dimension is the Manager's quorum.
     """
     if FSDPModule is None:
         raise RuntimeError("gradcompress.register_fsdp needs torch.distributed.fsdp.fully_shard (FSDP2)")
@@ -215,14 +217,17 @@ def register_fsdp(model: torch.nn.Module, spec, *, replicate_group=None, mesh=No
                          "gradients as one flat buffer, which is compressed whole")
     gather_codec = param_codec(params)
     modules = _fsdp_modules(model)
-    groups = _hsdp_groups(model, replicate_group, mesh, options)
+    if manager is not None:
+        groups, options = None, _managed_options(model, manager, replicate_group, mesh, options)
+    else:
+        groups = _hsdp_groups(model, replicate_group, mesh, options)
     if groups is not None:
         options = {**options, "process_group": groups[1], "topology": Topology.of_groups(*groups)}
     compressor = Compressor(spec, **options)
     check_codec(compressor.codec)
     for name, module in modules:
         key = f"{FSDP_KEY_PREFIX}{name}"
-        if groups is None:
+        if groups is None and manager is None:
             module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, key))
         else:
             module.set_all_reduce_hook(ReplicaAllReduce(compressor, key))
@@ -241,6 +246,28 @@ def _mesh_of(model):
 
 def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
+
+
+def _managed_options(model, manager, replicate_group, mesh, options) -> dict:
+    """Compressed HSDP under torchft: ``model`` sharded over its replica group's own 1-D mesh (a normal process
+    group inside the group, FSDP's reduce-scatter its own); each shard's all-reduce across the replica groups goes
+    through the codec on the Manager's quorum (:func:`gradcompress.quorum.under`: divisor the participants, the
+    commit the Manager's, a healing group silent). The Compressor's options with that coordinator; ``ValueError``
+    for what does not apply."""
+    if replicate_group is not None:
+        raise ValueError("gradcompress FSDP: under torchft (manager=...) the replicate dimension is the Manager's "
+                         "quorum: replicate_group= does not apply")
+    for name in ("topology", "process_group", "coordinator"):
+        if name in options:
+            raise ValueError(f"gradcompress FSDP: under torchft (manager=...) {name}= does not apply: the replicas "
+                             "are the Manager's quorum")
+    own = _mesh_of(model)
+    if own.ndim != 1 or (mesh is not None and (mesh.ndim != 1 or _ranks(mesh.get_group()) != _ranks(own.get_group()))):
+        raise ValueError("gradcompress FSDP: under torchft (manager=...) shard the model over its replica group's "
+                         "own 1-D mesh (fully_shard(..., mesh=mesh)) and pass that mesh or none: the replicate "
+                         "dimension is the Manager's quorum")
+    state_key = options.pop("state_key", None)
+    return {**options, "topology": "flat", "coordinator": under(manager, state_key=state_key)}
 
 
 def _hsdp_groups(model, replicate_group, mesh, options):

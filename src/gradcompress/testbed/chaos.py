@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -381,16 +382,17 @@ def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bi
               "pg_timeout": pg_timeout, "lighthouse": "file:" + os.path.join(where, "lighthouse"),
               "heartbeat_ms": heartbeat_ms, "limit": limit}
     bed = netns.Testbed(3, rate_bit).up()
+    named = _name_hosts(bed)
     start, stalls = time.time(), []
     procs: list = []
 
     def spawn(host: int, replica: int, **cfg) -> subprocess.Popen:
         out = open(os.path.join(where, f"out{replica}.txt"), "a")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
             + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
         argv = [*SELF, json.dumps({**common, "replica": replica, "host": bed.addresses[host], **cfg})]
-        procs.append(bed.spawn(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+        procs.append(bed.spawn(host, _named(host, argv), env=env, stdout=out, stderr=subprocess.STDOUT))
         return procs[-1]
 
     def rows() -> list[dict]:
@@ -407,8 +409,8 @@ def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bi
     try:
         survivors = [spawn(0, 0, serve_lighthouse=True), spawn(1, 1)]
         victims = []
-        for n, (after, event) in enumerate(cuts + [None]):
-            plan = {} if n == len(cuts) else dict(after=after, event=event, kind="cut")
+        for n, point in enumerate([*cuts, None]):  # the last victim: no cut, trains to the end
+            plan = {} if point is None else dict(after=point[0], event=point[1], kind="cut")
             victims.append(spawn(2, 2, standby=n, **plan))
             open(os.path.join(where, f"go{n}"), "w").close()
             if n == len(cuts):
@@ -435,6 +437,29 @@ def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bi
                 "stalls": stalls, "behind": behind(rows(), final)}
     finally:
         bed.down()
+        for path in named:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _name_hosts(bed) -> list[str]:
+    """Every testbed host a name of its own (``gc-h<i>``, set by :func:`_named`) that resolves to its address in
+    every host (``ip netns exec`` mounts ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``): torchft's checkpoint
+    transport tells its peers its machine's name, which is otherwise the same on every host and resolves to
+    127.0.0.1, each host's own loopback. The folders written."""
+    table = "127.0.0.1 localhost\n" + "".join(f"{addr} gc-h{i}\n" for i, addr in enumerate(bed.addresses))
+    folders = []
+    for ns in bed.host_ns:
+        folder = os.path.join("/etc/netns", ns)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write(table)
+        folders.append(folder)
+    return folders
+
+
+def _named(host: int, argv: list[str]) -> list[str]:
+    """``argv`` run under the host's own name (a UTS namespace of its own: :func:`_name_hosts`)."""
+    return ["unshare", "--uts", "sh", "-c", f'hostname gc-h{host} && exec "$@"', "sh", *argv]
 
 
 def _restore(bed, host: int, rate_bit: float) -> None:
