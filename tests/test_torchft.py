@@ -250,6 +250,7 @@ def test_compressed_hsdp_heals_a_killed_replica_group(scenario):
             mine = {r["params"] for r in committed if r["step"] == step and r["group_rank"] == g}
             assert len(mine) == 1, (step, g, [r for r in committed if r["step"] == step])
     assert all(r["participants"] == 2 for r in committed if r["replica"] == 0 and r["step"] > healed)
+    assert all(r["wire"] > 0 for r in committed if r["step"] == 29)  # the codec's exchange, on every process
     clean = [r for r in run(False) if r["committed"] and r["step"] == 29]
     loss = next(r["loss"] for r in committed if r["step"] == 29 and r["replica"] == 0)
     reference = clean[0]["loss"]

@@ -136,9 +136,10 @@ def hsdp_replica(cfg):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
+    sharded = list(net.parameters())  # FSDP's DTensors (the module holds unsharded ones during forward/backward)
 
     def shards():
-        return [p.to_local() for p in net.parameters()]
+        return [p.to_local() for p in sharded]
 
     def load(state):
         with torch.no_grad():
@@ -148,7 +149,7 @@ def hsdp_replica(cfg):
     manager, _ = make_manager(cfg, (load, lambda: {"shards": [t.detach().clone() for t in shards()]}),
                               group_rank=g, group_world=2, store_port=store.port)
     comp = gradcompress.register_fsdp(net, cfg["spec"], mesh=mesh, manager=manager)
-    optimizer = OptimizerWrapper(manager, torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = OptimizerWrapper(manager, torch.optim.SGD(sharded, lr=0.1))
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + g)
     if g == 0 or not cfg.get("restarted"):

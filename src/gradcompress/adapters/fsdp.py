@@ -34,6 +34,13 @@ error feedback on the shard (the residual is 1/G of a gradient) and server error
 re-quantises. A model sharded natively over a 2-D mesh is refused with the recipe: FSDP's own dense all-reduce of
 the replicas would run first, and ``set_requires_all_reduce(False)`` would skip the hook too.
 
+HSDP under torchft (``register_fsdp(model, spec, mesh=mesh, manager=manager)``): each replica group shards the
+model over its own 1-D mesh (a normal process group inside the group, FSDP's reduce-scatter its own); each shard's
+all-reduce across the replica groups is the codec's on the Manager's quorum (:func:`gradcompress.quorum.under`:
+divided by the participants, committed when ``should_commit()`` agrees, a healing group silent; each group rank has
+its own Manager, as torchft wants). torchft heals a restarted group rank from a peer's state: register the local
+shards (``p.to_local()`` of the sharded parameters) with its Manager.
+
 Parameters (``params="int8"`` or ``"bf16"``, default None: exact): the all-gathers of the parameters go through
 :class:`gradcompress.adapters.fsdp_params.CompressedAllGather`; ``stats()["param_bytes"]`` counts them.
 
