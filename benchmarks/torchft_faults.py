@@ -45,7 +45,8 @@ def main() -> None:
                 result = chaos.run_partition(where, spec, plan, pg_timeout=PG_TIMEOUT)
             else:
                 result = chaos.run_family(where, chaos.FAMILIES.get(spec, spec), plan, kind=kind)
-            ok = result["unequal"] == [] and result["failed_committed"] == 0 and result["unhealed"] == []
+            ok = (result["unequal"] == [] and result["failed_committed"] == 0 and result["unhealed"] == []
+                  and result["behind"] == [])
             cases.append({"scheme": spec, "fault": name, "stall_seconds": result["stalls"], "replicas_ok": ok,
                           "survivor_exit_codes": result["exit_codes"]["survivors"]})
             say(f"{spec:<17} {name:<30} stall {', '.join(f'{x:.2f}' for x in result['stalls'])} s (median "
