@@ -1028,15 +1028,40 @@ def diloco_tables(r: Results) -> list[str]:
             "these give the wall time to the tuned DDP's 300-step loss."]
     testbed = ("diloco_lm_10mbit", "diloco_lm_100mbit", "diloco_lm_1gbit", "diloco_mlp_10mbit", "diloco_mlp_100mbit")
     fresh = [n for n in testbed if r.has(n)]
-    for name in fresh:
-        data = r.get(name)
-        out += ["", f"{data['model']} at {rate(data['bandwidth_bit'])} (compute alone "
-                    f"{ms(data['compute_s'])} ms/step):", ""] + netbench_table(data)
+    for model in ("lm", "mlp"):
+        runs = [r.get(n) for n in fresh if r.get(n)["model"] == model]
+        if runs:
+            out += [""] + rates_table(runs)
     out += time_to_loss(r)
     out += pending(r, *testbed)
     if fresh:
         out += sources(r, fresh)
     return out
+
+
+def rates_table(runs: list[dict]) -> list[str]:
+    """netbench runs of one model at several link rates, side by side: each scheme's step time (x DDP in that run,
+    where it ran) and the training thread's wait per step at each rate, and its bytes per host per step."""
+    names: list[str] = []
+    for data in runs:
+        names += [s["scheme"] for s in data["schemes"] if s["scheme"] not in names]
+    rows = []
+    for name in names:
+        cells, sent = [code(name)], "–"
+        for data in runs:
+            s = scheme(data, name)
+            if s is None:
+                cells.append("–")
+                continue
+            wait = "" if s.get("wait_s_per_step") is None else f", wait {ms(s['wait_s_per_step'])}"
+            speed = "" if s.get("speedup") is None else f", {times(s['speedup'])}"
+            cells.append(f"{ms(s['median_step_s'])} ms{speed}{wait}")
+            sent = size(s.get("wire_bytes_per_step"))
+        rows.append(cells + [sent])
+    alone = " / ".join(ms(d["compute_s"]) for d in runs)
+    return ([f"{runs[0]['model']} (compute alone {alone} ms/step; ms/step, x ddp, the wait for the link in ms/step):",
+             ""] + table(["scheme"] + [f"at {rate(d['bandwidth_bit'])}" for d in runs] + ["sent per host per step"],
+                         rows))
 
 
 def lm_diloco_table(data: dict) -> list[str]:
@@ -1064,17 +1089,17 @@ def recipe_section(r: Results) -> list[str]:
            "`gradcompress.optim.muon`, Muon on the hidden weights, AdamW on the rest, one lr). The validation loss "
            "every 50 steps is rank 0's model (between syncs, its own); `reaches the target at step` is the first of those steps at "
            "or below the target. Every configuration run is here, met or not."]
-    for name in RECIPE_RUNS:
-        if not r.has(name):
-            continue
+    rows = []
+    for name in [n for n in RECIPE_RUNS if r.has(n)]:
         data = r.get(name)
-        rows = [[code(x["scheme"]), f"seed {data['task']['seed']}", f"{x['val_loss']:.4f}",
-                 pct(x["val_loss"], tuned["val_loss"]), size(x["bytes_per_step"]),
-                 fewer(tuned["bytes_per_step"] / x["bytes_per_step"]), first_below(x, tuned["val_loss"]),
-                 "yes" if x["val_loss"] <= tuned["val_loss"] and
-                 tuned["bytes_per_step"] / x["bytes_per_step"] >= 1000 else "no"]
-                for x in data["runs"]]
-        out += ["", f"`{name}.json`:", ""] + table(
+        rows += [[code(x["scheme"]), f"seed {data['task']['seed']}", f"{x['val_loss']:.4f}",
+                  pct(x["val_loss"], tuned["val_loss"]), size(x["bytes_per_step"]),
+                  fewer(tuned["bytes_per_step"] / x["bytes_per_step"]), first_below(x, tuned["val_loss"]),
+                  "yes" if x["val_loss"] <= tuned["val_loss"] and
+                  tuned["bytes_per_step"] / x["bytes_per_step"] >= 1000 else "no"]
+                 for x in data["runs"]]
+    if rows:
+        out += [""] + table(
             ["scheme", "seed", "val loss at 900", "vs the tuned DDP", "bytes/step", "fewer bytes per step than DDP",
              "reaches the target at step", ">= 1000x and at the target"], rows, right={2, 3, 4, 5, 6})
     out += pending(r, *RECIPE_RUNS)
@@ -1099,29 +1124,27 @@ def size_table(r: Results, tuned_small: dict) -> list[str]:
     the loss at DDP's 300 steps and at 900."""
     if not all(r.has(n) for n in SIZE_RUNS):
         return pending(r, *SIZE_RUNS)
-    sizes = [("small", tuned_small, r.get("lm_recipe_900")),
-             ("large", min(r.get("lm_large_ddp_lr_sweep_300")["runs"], key=lambda x: x["val_loss"]),
-              r.get("lm_large_recipe_900"))]
+    large = r.get("lm_large_ddp_lr_sweep_300")
+    sizes = [("small, 0.47M", tuned_small, r.get("lm_recipe_900")),
+             (f"large, {large['task']['model'].rsplit('(', 1)[1].split()[0]}",
+              min(large["runs"], key=lambda x: x["val_loss"]), r.get("lm_large_recipe_900"))]
     rows = []
     for label, ddp, data in sizes:
-        rows.append([label, "DDP", f"lr {ddp['lr']:g}", f"{ddp['val_loss']:.4f}", "–", size(ddp["bytes_per_step"]),
-                     "1x"])
+        cells = [label, f"{ddp['val_loss']:.4f} (lr {ddp['lr']:g})"]
         for name in SIZE_SCHEMES.split(";"):
             x = run(data, name)
-            rows.append([label, code(name), "lr 0.003", pct(loss_at(x, 300), ddp["val_loss"]),
-                         pct(x["val_loss"], ddp["val_loss"]), size(x["bytes_per_step"]),
-                         fewer(ddp["bytes_per_step"] / x["bytes_per_step"])])
-    large = r.get("lm_large_ddp_lr_sweep_300")
+            cells += [f"{pct(loss_at(x, 300), ddp['val_loss'])} / {pct(x['val_loss'], ddp['val_loss'])}",
+                      fewer(ddp["bytes_per_step"] / x["bytes_per_step"])]
+        rows.append(cells)
     lrs = ", ".join(f"{x['lr']:g}: {x['val_loss']:.4f}" for x in large["runs"])
+    recipe, plain = (code(n) for n in SIZE_SCHEMES.split(";"))
     return ["", "### A second model size", "",
-            f"The same comparison on the LM task's `--lm-size large` model ({large['task']['model']}) against the "
-            "small one (0.47M parameters): the recipe (streamed, Muon inside) and blocking DiLoCo (int2, H = 100, "
-            "AdamW inside), against the "
-            "lr-tuned DDP of that size (its 300-step validation loss; large DDP's lr sweep, 300 steps: "
-            f"{lrs}). `at 300`: the recipe's validation loss at step 300 of its 900 (DDP's steps), `at 900`: at "
-            "the end; both against DDP's 300-step loss.", ""] + table(
-        ["size", "run", "lr", "val loss (DDP) / at 300", "at 900", "bytes/step", "fewer bytes per step"], rows,
-        right={3, 4, 5, 6})
+            f"The recipe and blocking DiLoCo with AdamW inside on the LM task's `--lm-size large` model "
+            f"({large['task']['model']}) and the small one, each against the lr-tuned DDP of its size (its 300-step "
+            f"validation loss; the large DDP's lr sweep, 300 steps: {lrs}): the validation loss at step 300 of 900 "
+            "(DDP's steps) / at 900, and how many fewer bytes per step than that DDP.", ""] + table(
+        ["model", "DDP, 300 steps", f"{recipe}", "fewer bytes", f"{plain}", "fewer bytes "], rows,
+        right={2, 3, 4, 5})
 
 
 def time_to_loss_table(data: dict) -> list[str]:
