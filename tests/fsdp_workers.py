@@ -150,6 +150,13 @@ def bad_registrations(rank, world, specs):
         out["unsharded"] = "no error"
     except ValueError as err:
         out["unsharded"] = str(err)
+    for name, extra in (("manager+replicate_group", {"replicate_group": dist.group.WORLD}),
+                        ("manager+topology", {"topology": 2})):  # under torchft: the replicas are the quorum
+        try:
+            gradcompress.register_fsdp(sharded_model(None)[0], "int8", manager=object(), **extra)
+            out[name] = "no error"
+        except ValueError as err:
+            out[name] = str(err)
     dist.barrier()  # every rank got here: nothing hangs
     return out
 

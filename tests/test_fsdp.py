@@ -122,6 +122,9 @@ def test_bad_codecs_fail_at_registration_on_every_rank():
         assert "powersgd cannot compress FSDP" in r["powersgd:rank=2"]
         assert "ratio must be in (0, 1]" in r["topk:ratio=2"]
         assert "no FSDP module" in r["unsharded"]
+        assert "replicate dimension is the Manager's quorum: replicate_group= does not apply" in \
+            r["manager+replicate_group"]
+        assert "topology= does not apply" in r["manager+topology"]
 
 
 def test_two_fsdp_models_with_their_own_compressors_do_not_disturb_each_other():
