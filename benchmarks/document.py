@@ -377,9 +377,16 @@ def recipe_summary(r: Results, tuned: dict) -> str:
     """The best run of the recipe search at >= 1000x fewer bytes per step than the tuned DDP."""
     runs = [x for x in r.get("lm_recipe_900")["runs"] if tuned["bytes_per_step"] / x["bytes_per_step"] >= 1000]
     best = min(runs, key=lambda x: x["val_loss"])
-    return (f"- **Below 1/1000 of DDP's bytes per step** (LM, 900 steps): the best of {len(runs)} configurations, "
+    line = (f"- **Below 1/1000 of DDP's bytes per step** (LM, 900 steps): the best of {len(runs)} configurations, "
             f"{code(best['scheme'])}, {pct(best['val_loss'], tuned['val_loss'])} against the tuned DDP's 300-step loss "
-            f"at {fewer(tuned['bytes_per_step'] / best['bytes_per_step'])} fewer bytes per step.")
+            f"at {fewer(tuned['bytes_per_step'] / best['bytes_per_step'])} fewer bytes per step")
+    if not all(r.has(n) for n in SIZE_RUNS):
+        return line + "."
+    ddp = min(r.get("lm_large_ddp_lr_sweep_300")["runs"], key=lambda x: x["val_loss"])
+    big = run(r.get("lm_large_recipe_900"), best["scheme"]) if best["scheme"] == RECIPE else None
+    return line + ("." if big is None else
+                   f"; on the 7x larger model {pct(big['val_loss'], ddp['val_loss'])} against its tuned DDP at "
+                   f"{fewer(ddp['bytes_per_step'] / big['bytes_per_step'])}.")
 
 
 def link_table(r: Results) -> list[str]:

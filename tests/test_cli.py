@@ -140,11 +140,25 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["train", "--codec", "int8", "--fault-tolerant", "--kill-at", "500"], "must be below --steps"),
     (["train", "--codec", "auto", "--fault-tolerant"], "not supported there"),
     (["train", "--codec", "int8", "--fault-tolerant", "--diloco", "5"], "do not apply"),
+    (["demo", "--lm-size", "large"], "sizes the lm task's model (--task lm), not digits"),
+    (["demo", "--task", "lm", "--lm-size", "huge"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))
     assert rc != 0
     assert needle in _one_error_line(capsys.readouterr().err)
+
+
+def test_the_lm_task_has_two_model_sizes():
+    """``--lm-size large`` (issue 40's second size): 4 blocks of width 256, about 7x the small model's parameters,
+    the same architecture; an unknown size is refused with the sizes there are."""
+    from gradcompress.testbed import lm
+
+    small, large = (sum(p.numel() for p in lm.make_model(0, size).parameters()) for size in ("small", "large"))
+    assert small == 470528 and 6.5 < large / small < 7.5
+    assert len(lm.make_model(0, "large").blocks) == 4 and lm.make_model(0, "large").tok.embedding_dim == 256
+    with pytest.raises(ValueError, match="unknown lm model size 'huge'; sizes: small, large"):
+        lm.make_model(0, "huge")
 
 
 def test_unwritable_out_fails_before_training(tmp_path, capsys):
