@@ -231,7 +231,7 @@ class DiLoCo:
         self.syncs = 0
         self.skipped = 0
         self.sent_at = 0  # the inner step of the latest send (its position in the schedule)
-        self.agreed: int | None = None  # under torchft: the quorum's position for that send (:meth:`agree`)
+        self.agreed: int | None = None  # under torchft: the quorum's position for that send (_Schedule.agree)
         self.healed = False  # under torchft: this replica took a peer's anchors in the exchange in flight
         if manager is not None:  # a rejoining replica receives the anchor, outer state and counters
             manager.register_state_dict_fn(f"{self.compressor.coordinator.state_key}.diloco", self._load_shared,
@@ -367,7 +367,8 @@ class DiLoCo:
         """The anchor, the outer and inner optimizers' state, the residuals and the step counters
         (tensors and plain values: ``torch.load(..., weights_only=True)`` reads it). Streaming: a fragment whose
         exchange is in flight is waited for first (every rank runs it, whoever saves), and its averaged outer
-        gradients are saved with the step they apply at: a resumed run applies them there, exactly."""
+        gradients are saved with the step they apply at: a resumed run applies them there, exactly (under torchft
+        its commit is decided then: save on every replica at the same step)."""
         finished = {f: self._settled(f) for f in list(self.flight)}  # first: their Compressors commit
         state = {"anchor": [a.detach().clone() for a in self.anchor], "outer": self.outer.state_dict(),
                  "inner": self.inner.state_dict(), "compressor": self.compressor.state_dict(),
@@ -429,7 +430,6 @@ class DiLoCo:
         self.outer.load_state_dict(state["outer"])
         self.syncs, self.skipped = state["syncs"], state["skipped"]
         self.healed = True
-
 
     # ------------------------------------------------------------------ internals
     def _decay_residuals(self, comp, keys: list[int], outer_grads: list[torch.Tensor]) -> None:
