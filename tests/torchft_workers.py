@@ -75,16 +75,7 @@ def group_replica(cfg):
     comp = gft.Compressor(cfg["spec"], manager, group=dist.group.WORLD)
     optimizer = OptimizerWrapper(manager, opt)
     log = open(cfg["log"], "a")
-    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + g)
-    if g == 0 or not cfg.get("restarted"):
-        rendezvous(cfg)
-    while manager.current_step() < cfg["steps"]:
-        step = manager.current_step()
-        if cfg.get("kill_at") == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.get("pause_at") == step:
-            wait_for(os.path.join(cfg["dir"], "rejoined"))
-        idx = torch.randint(0, len(x), (32,), generator=gen)
+    for step, idx in _group_steps(cfg, manager, len(x)):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
         before = digest([p.grad for p in net.parameters()])
@@ -97,6 +88,22 @@ def group_replica(cfg):
                               "state_step": comp.state_dict()["step"], "grads": [before, after], "rank": comp.coordinator.comm.rank, "silent": silent}) + "\n")
         log.flush()
     manager.shutdown(wait=False)
+
+
+def _group_steps(cfg, manager, examples: int):
+    """A replica group process's steps until ``steps``: (the Manager's step, this step's minibatch of 32 indices),
+    with the scenario's points (``kill_at``: SIGKILL this process; ``pause_at``: wait for the restarted replica); a
+    first start waits for every replica first."""
+    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + cfg["group_rank"])
+    if cfg["group_rank"] == 0 or not cfg.get("restarted"):
+        rendezvous(cfg)
+    while manager.current_step() < cfg["steps"]:
+        step = manager.current_step()
+        if cfg.get("kill_at") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("pause_at") == step:
+            wait_for(os.path.join(cfg["dir"], "rejoined"))
+        yield step, torch.randint(0, examples, (32,), generator=gen)
 
 
 def _join_group(cfg):
@@ -151,16 +158,7 @@ def hsdp_replica(cfg):
     comp = gradcompress.register_fsdp(net, cfg["spec"], mesh=mesh, manager=manager)
     optimizer = OptimizerWrapper(manager, torch.optim.SGD(sharded, lr=0.1))
     log = open(cfg["log"], "a")
-    gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + g)
-    if g == 0 or not cfg.get("restarted"):
-        rendezvous(cfg)
-    while manager.current_step() < cfg["steps"]:
-        step = manager.current_step()
-        if cfg.get("kill_at") == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.get("pause_at") == step:
-            wait_for(os.path.join(cfg["dir"], "rejoined"))
-        idx = torch.randint(0, len(x), (32,), generator=gen)
+    for step, idx in _group_steps(cfg, manager, len(x)):
         optimizer.zero_grad()  # the step's quorum
         torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()  # FSDP's hooks: the compressed exchange
         optimizer.step()  # only if manager.should_commit()
