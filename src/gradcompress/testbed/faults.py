@@ -24,6 +24,7 @@ import torch
 
 from ..integrations import torchft as gft
 from ..quorum import shared_state
+from . import launch
 
 #: a replica's own script (``python -m gradcompress.testbed.faults``)
 SELF = [sys.executable, "-m", "gradcompress.testbed.faults"]
@@ -204,10 +205,10 @@ class Scenario:
 
     def start(self, replica: int, **cfg) -> subprocess.Popen:
         cfg = {**self.common, "replica": replica, **cfg}
-        out = open(os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt"), "a")
+        out = os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))] + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
-        proc = subprocess.Popen([*self.command, json.dumps(cfg)], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = launch.child([*self.command, json.dumps(cfg)], env, out)  # forked: torch already imported
         self.procs.append(proc)
         return proc
 
