@@ -33,7 +33,7 @@ def _buckets():
     ("auto:ratio=0.1", "auto: unknown option 'ratio'; options of auto: bandwidth, budget, every, allocate, critical, cache; Compressor options"),
     ("auto:cache= ", "auto: cache must be a file path or off"),
     ("auto:critical=-1", "auto: critical must be a number >= 0 (0: off), got -1"),
-    ("auto:allocate=2", "auto: allocate must be true or false, got 2"),
+    ("auto:allocate=2", "auto: allocate must be true, adam or false, got 2"),
 ])
 def test_bad_options_are_one_clear_error(spec, message):
     with pytest.raises(ValueError) as err:
@@ -594,3 +594,26 @@ def test_a_block_without_a_counted_step_is_left_out():
     for t in (0.2, 0.0, 0.0, 0.2):
         empty = empty.measured(t)
     assert empty.means() == [0.2, float("inf")]
+
+
+def test_adam_weighs_each_tensors_error_by_its_mean_squared_gradient():
+    """allocate=adam: a tensor's errors divided by its mean squared gradient (Adam's preconditioner per tensor), so a
+    tensor of small gradients is not starved: where the plain allocation sends int2 to the small-gradient tensors
+    (``test_allocation_within_the_error_budget_and_never_more_bytes``), tensors alike but for their scale are
+    alike under Adam's weighing (int4 everywhere); a zero gradient weighs nothing."""
+    from gradcompress.autopilot.allocate import LEVELS, allocate, energies, errors, payload_bytes, preconditioned
+
+    gen = torch.Generator().manual_seed(1)
+    sizes, keys = [4096, 8192, 2048], [0, 1, 2]
+    sample = {k: torch.randn(n, generator=gen) * s for k, n, s in zip(keys, sizes, (1.0, 0.01, 0.1))}
+    err = torch.tensor(errors(sample, keys)).view(3, len(LEVELS))
+    plain = allocate(err, payload_bytes(sizes))
+    assert [LEVELS[c] for c in plain] == ["int8", "int2", "int2"]
+    weighed = preconditioned(err, sizes, torch.tensor(energies(sample, keys), dtype=torch.float64))
+    per_element = weighed / torch.tensor(sizes, dtype=torch.float64)[:, None]  # alike: scale no longer counts
+    assert torch.allclose(per_element[1], per_element[0], rtol=0.1) and torch.allclose(per_element[2], per_element[0], rtol=0.1)
+    assert allocate(weighed, payload_bytes(sizes)) == [1, 1, 1]
+    zero = preconditioned(err[:1], [4096], torch.zeros(1, dtype=torch.float64))
+    assert (zero == 0).all()
+    assert Config.parse("auto:allocate=adam", {}).auto.allocate == "adam"
+    assert Config.parse("auto:allocate=adam", {}).auto.text().endswith(",allocate=adam")

@@ -10,10 +10,12 @@
   AdamW at lr 3e-3 with the library's defaults (README's LM table: int8 ±0.0 %, int4 +0.5 %; against DDP at its
   best lr, 1e-2: int4 +0.8 %, int8 +1.4 %, one seed). ``any`` adds PowerSGD rank 4 and
   rank 1, ``sign`` and ``topk:ratio=0.01``, which cut far more bytes but cost 5-11 % there.
-* ``allocate=true|false`` (default false): the error budget measured per tensor: where the cost model gives a
+* ``allocate=true|adam|false`` (default false): the error budget measured per tensor: where the cost model gives a
   bucket ``int4``, each of its tensors gets ``int8``, ``int4`` or ``int2``, the fewest bytes with the bucket's total
   squared error within ``int4``'s, measured on the gradients of the step before the decision
-  (:mod:`gradcompress.autopilot.allocate`, L-GreCo's idea).
+  (:mod:`gradcompress.autopilot.allocate`, L-GreCo's idea). ``adam``: each tensor's error weighed as an adaptive
+  optimizer (Adam, AdamW) weighs it in its update: divided by the tensor's mean squared gradient (the per-tensor
+  stand-in for Adam's preconditioner ``1/v``), so a tensor with small gradients counts as much as one with large.
 * ``critical=ETA`` (default 0.5; 0: off): Accordion's detector of critical regimes (Agarwal et al. 2021). At each
   check the norm of the gradients of the step before it (each rank's, before the exchange; the ranks' squares
   summed) is compared with the previous check's: a relative change above ETA is a critical regime, in which the
@@ -49,7 +51,7 @@ class Auto:
     bandwidth: float | None = None
     budget: str = "safe"
     every: int = 20
-    allocate: bool = False
+    allocate: bool | str = False  # False, True (squared error) or "adam" (error weighed by 1/v)
     critical: float = 0.5
     cache: str | None = dataclasses.field(default=None, compare=False)
 
@@ -65,7 +67,7 @@ class Auto:
 
     def text(self) -> str:
         rate = "measured" if self.bandwidth is None else format_rate(self.bandwidth).replace(" ", "")
-        allocate = ",allocate=true" if self.allocate else ""
+        allocate = f",allocate={'true' if self.allocate is True else self.allocate}" if self.allocate else ""
         critical = "" if self.critical == 0.5 else f",critical={self.critical:g}"  # the default unsaid: old texts hold
         return f"auto:bandwidth={rate},budget={self.budget},every={self.every}{critical}{allocate}"
 
@@ -85,8 +87,8 @@ def parse(options: dict) -> Auto:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"auto: every must be an integer >= 1, got {every!r}")
     allocate = options.get("allocate", False)
-    if not isinstance(allocate, bool):
-        raise ValueError(f"auto: allocate must be true or false, got {allocate!r}")
+    if not isinstance(allocate, bool) and allocate != "adam":
+        raise ValueError(f"auto: allocate must be true, adam or false, got {allocate!r}")
     critical = options.get("critical", 0.5)
     if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not critical >= 0:
         raise ValueError(f"auto: critical must be a number >= 0 (0: off), got {critical!r}")

@@ -11,6 +11,12 @@ everywhere would make, ``sum_k err(k, c_k) <= sum_k err(k, int4)``.
   rank holds the same table and makes the same allocation);
 * ``bytes(k, c)``: the codec's payload for the tensor's size (what the exchange sends is proportional to it).
 
+``allocate=adam`` weighs each tensor's errors by ``numel(k) / ||x_k||^2`` (:func:`preconditioned`): Adam divides each
+coordinate's update by ``sqrt(v)``, ``v`` the running mean of its squared gradient, so an error ``e`` in the gradient
+moves the update by about ``e / sqrt(v)``; the tensor's mean squared gradient (over the ranks, at the sample) stands in
+for ``v``. Under SGD a tensor with small gradients adds little error to the update however coarsely it is sent;
+under Adam it adds as much as any other, relative to its gradient (the plain allocation starved such tensors).
+
 Solved by its Lagrangian (:func:`allocate`): for a price ``lam`` each tensor independently takes the level minimising
 ``bytes + lam * err``; ``lam`` is bisected to the smallest that keeps the error within the budget. An allocation that
 would not send fewer bytes than ``int4`` everywhere is not used. Bias: as the codecs' (round to nearest, with error
@@ -38,6 +44,21 @@ def errors(sample: dict, keys) -> list[float]:
         for codec in codecs:
             out.append(float((codec.decode(codec.encode(x)) - x).double().pow(2).sum()))
     return out
+
+
+def energies(sample: dict, keys) -> list[float]:
+    """This rank's squared norm of each tensor ``keys`` of ``sample`` (what :func:`preconditioned` divides by)."""
+    return [float(sample[key].reshape(-1).double().pow(2).sum()) for key in keys]
+
+
+def preconditioned(err: torch.Tensor, numels, energy: torch.Tensor) -> torch.Tensor:
+    """``err`` ``[tensors, levels]`` weighed as Adam's update weighs it: each row times ``numel / energy`` (the
+    inverse of the tensor's mean squared gradient; ``energy`` summed over the ranks like ``err``). A tensor whose
+    gradient is zero everywhere has no error at any level: its weight is 0."""
+    numel = torch.as_tensor(numels, dtype=torch.float64)
+    energy = energy.double()
+    weight = torch.where(energy > 0, numel / energy.clamp_min(1e-300), torch.zeros_like(energy))
+    return err.double() * weight[:, None]
 
 
 def allocate(err: torch.Tensor, nbytes: torch.Tensor, steps: int = 200) -> list[int]:
@@ -73,4 +94,4 @@ def payload_bytes(numels) -> torch.Tensor:
     return torch.tensor([[c.payload_nbytes(n) for c in codecs] for n in numels], dtype=torch.float64)
 
 
-__all__ = ["LEVELS", "REFERENCE", "allocate", "errors", "payload_bytes"]
+__all__ = ["LEVELS", "REFERENCE", "allocate", "energies", "errors", "payload_bytes", "preconditioned"]

@@ -17,7 +17,7 @@ from ..spec import make
 from ..terms import Coordinator, Terms
 from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
 from . import report
-from .allocate import LEVELS, REFERENCE, errors
+from .allocate import LEVELS, REFERENCE, energies, errors, preconditioned
 from .calibration import Cache
 from .decide import MIN_GAIN, record
 from .measure import Meter, Prober
@@ -131,7 +131,8 @@ class Autopilot(Coordinator):
         fields = {"compute": [meter.compute_s()], "step": [meter.step_s()], "wait": [meter.wait_s()],
                   "digest": [self.costs.digest()], "codec": [o.codec_s for row in costs for o in row],
                   "norm": [float(last.norm_sq)] if last is not None and last.norm_sq is not None else [],
-                  "errors": errors(sample, keys) if keys else []}
+                  "errors": errors(sample, keys) if keys else [],
+                  "energy": energies(sample, keys) if keys and options.allocate == "adam" else []}
         got = meter.gather(comm, fields, buckets[0].device)
         if (got["digest"] != got["digest"][0]).any():  # a rank's cache disagrees: every rank records afresh
             log.warning("gradcompress auto: step %d: the ranks' recorded bytes disagree (a stale calibration cache?); "
@@ -144,6 +145,9 @@ class Autopilot(Coordinator):
         bandwidth, alpha = self._link(comm, buckets[0].device, step_s, got["wait"].max().item())
         codec = got["codec"].max(0).values.view(-1, len(options.candidates)).tolist()
         err = got["errors"].sum(0).view(len(keys), len(LEVELS)) if keys else None
+        if err is not None and options.allocate == "adam":
+            numels = [sample[k].numel() for k in keys]
+            err = preconditioned(err, numels, got["energy"].sum(0))
         plan = self.choice.plan
         self.check = Check(index, compute, step_s, bandwidth, alpha, tuple(map(tuple, codec)),
                            step_s if plan.dense and plan.flat else 0.0, (tuple(keys), err))

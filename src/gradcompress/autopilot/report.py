@@ -103,9 +103,9 @@ def _allocation_lines(last) -> list[str]:
     if not a:
         return []
     counts = ", ".join(f"{spec} x{n}" for spec, n in a["tensors"].items() if n)
-    return [f"  per-tensor allocation of the {REFERENCE} buckets (allocate=true): {counts}; payload "
+    return [f"  per-tensor allocation of the {REFERENCE} buckets: {counts}; payload "
             f"{a['payload_bytes'] / 1e3:.4g} KB against {a['reference_bytes'] / 1e3:.4g} KB with {REFERENCE} "
-            f"everywhere, squared error {a['error']:.4g} against {a['reference_error']:.4g}"]
+            f"everywhere, error {a['error']:.4g} against {a['reference_error']:.4g}"]
 
 
 def _bucket_lines(pilot, last) -> list[str]:
