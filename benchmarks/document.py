@@ -543,6 +543,8 @@ def accuracy_tables(r: Results) -> list[str]:
                "`auto:bandwidth=100mbit`, run before `critical=` existed (as `critical=0`)"),
               ("lm_auto_allocate_lr1e-2_300", "auto:bandwidth=100mbit,allocate=true",
                "`auto:bandwidth=100mbit,allocate=true`"),
+              ("lm_auto_allocate_adam_lr1e-2_300", "auto:bandwidth=100mbit,allocate=adam",
+               "`auto:bandwidth=100mbit,allocate=adam` (errors weighed by 1/v, issue 39)"),
               ("lm_auto_any_critical_lr1e-2_300", "auto:bandwidth=100mbit,budget=any",
                "`auto:bandwidth=100mbit,budget=any`"),
               ("lm_auto_any_critical_lr1e-2_300", "auto:bandwidth=100mbit,budget=any,critical=0",
@@ -559,6 +561,18 @@ def accuracy_tables(r: Results) -> list[str]:
                 "one:", ""]
     out += table(["scheme", "val loss", "vs tuned DDP", "bytes/step", "fewer bytes than DDP", "auto's plan"], rows,
                  right={1, 2, 3, 4})
+    adam = r.get("lm_auto_allocate_adam_lr1e-2_300")
+    own, hinted = run(adam, "none"), run(adam, "auto:bandwidth=100mbit")
+    weighed = run(adam, "auto:bandwidth=100mbit,allocate=adam")["stats"]["auto"]["allocation"]["tensors"]
+    out += ["", f"`allocate=adam` ran next to DDP and `auto:bandwidth=100mbit` in one run "
+                f"(`lm_auto_allocate_adam_lr1e-2_300.json`): with each tensor's error weighed by its mean squared "
+                f"gradient the allocation gave int4 to all {sum(weighed.values())} tensors it may allocate (int2 costs "
+                f"about 6x int4's relative error for half its bytes, int8 1/300 of it for twice: nothing to trade), "
+                f"so it is the plain autopilot's run bit for bit: {hinted['val_loss']:.4f} against that run's own DDP "
+                f"{own['val_loss']:.4f} ({pct(hinted['val_loss'], own['val_loss'])}; DDP's loss in this run and in the sweep differ by "
+                f"{pct(own['val_loss'], tuned['val_loss'])}: gloo's reduction order) at "
+                f"{fewer(own['bytes_per_step'] / hinted['bytes_per_step'])} fewer bytes. Within 1 % at 8x fewer "
+                "bytes is not reached by any allocation of int8/int4/int2 under this budget."]
     digits = r.get("digits_auto_allocate")
     none = run(digits, "none")
     rows = [[code(x["scheme"]), f"{x['test_accuracy']:.2f} %", f"{x['test_accuracy'] - none['test_accuracy']:+.2f}",
@@ -576,7 +590,8 @@ def accuracy_tables(r: Results) -> list[str]:
     out += rendered(r, "randomk_seeds_200", seeds_table)
     out += sources(r, [n for n in ("lm_auto_any_lr3e-3_300", "digits_auto_any", "randomk_seeds_200") if r.has(n)])
     out += sources(r, ["lm_ddp_lr_sweep_300", "lm_auto_lr1e-2_300", "lm_auto_critical_lr1e-2_300",
-                       "lm_auto_allocate_lr1e-2_300", "lm_auto_any_critical_lr1e-2_300", "digits_auto_allocate"])
+                       "lm_auto_allocate_lr1e-2_300", "lm_auto_allocate_adam_lr1e-2_300",
+                       "lm_auto_any_critical_lr1e-2_300", "digits_auto_allocate"])
     return out
 
 
