@@ -65,11 +65,12 @@ def _worker(fn, rank: int, world: int, port: int, args: tuple, results, collecti
 
 
 def _context():
-    """Workers fork from a server that has imported torch once (a spawned worker spends ~2 s importing it)."""
+    """Workers fork from a server that has imported torch once (a spawned worker spends ~2 s importing it), and
+    ``torch._dynamo``, which an optimizer's first step imports (another ~2 s: AdamW's first step here)."""
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "gradcompress"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gradcompress"])
     return ctx
 
 
