@@ -127,6 +127,8 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
         faults.wait_for(os.path.join(where, f"go{cfg['standby']}"), timeout=cfg.get("limit", 600))
     manager, _store = faults.make_manager(cfg, (lambda sd: net.load_state_dict(sd), lambda: net.state_dict()))
     train, comp, record = _loop(cfg, manager, net)
+    if cfg.get("standby") in (None, 0):  # the first three: one first quorum (a replica that came first would
+        _ready(where, cfg["replica"])  # otherwise commit a step 0 alone, the others another step 0 without it)
     sig = {"stop": signal.SIGSTOP, "cut": None}.get(cfg.get("kind"), signal.SIGKILL)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the scenario's end (:func:`_drain`), not a fault
     wire = Tripwire(comp, cfg["event"], lambda: _fire(where, sig)) if cfg.get("after") is not None else None
@@ -154,6 +156,14 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
                               "time": time.time()}) + "\n")
         log.flush()
     manager.shutdown(wait=False)
+
+
+def _ready(where: str, replica: int) -> None:
+    """The scenario's first replicas (survivors 0 and 1, the first standby) wait for each other, their Managers
+    heartbeating, before their first quorum."""
+    _write(os.path.join(where, f"ready{replica}"), "")
+    for i in range(3):
+        faults.wait_for(os.path.join(where, f"ready{i}"), timeout=120)
 
 
 def _prepare() -> tuple:
