@@ -80,12 +80,24 @@ def wait_for(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+#: torchft's Manager heartbeats the lighthouse every 100 ms (its default ``heartbeat_interval``)
+HEARTBEAT_S = 0.1
+
+
+def announce_rejoined(directory: str) -> None:
+    """A restarted replica tells the waiting survivors it is back, once its Manager has heartbeated the lighthouse
+    (three intervals after it was made): a quorum asked for before the lighthouse heard from it would form without
+    it (a forked replica reaches this point within milliseconds of making its Manager)."""
+    time.sleep(3 * HEARTBEAT_S)
+    open(os.path.join(directory, "rejoined"), "w").close()
+
+
 def rendezvous(cfg, announce: bool = True) -> None:
     """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
     replica announces itself (its Manager heartbeats now) and goes straight to its first quorum."""
     if cfg.get("restarted"):
         if announce:
-            open(os.path.join(cfg["dir"], "rejoined"), "w").close()
+            announce_rejoined(cfg["dir"])
         return
     open(os.path.join(cfg["dir"], f"ready{cfg['replica']}"), "w").close()
     for i in range(cfg["replicas"]):
