@@ -304,8 +304,9 @@ def test_a_critical_regime_compresses_less_and_replicas_stay_equal():
 def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
     """After a selection measured a plan slower, a moved measurement brings back the plans that compressed more only
     if the link's cost grew or the compute shrank by more than MOVED (25 %), those that compressed less only the
-    other way. The link's cost is what a dense step's bytes take on it, relative to the larger of that and the
-    compute: where the link costs the step little (a fast link), a probe reading 50 % slower is not a move."""
+    other way. The link's cost is what a dense step's bytes take on it; both changes count relative to the larger of
+    the link's cost and the compute: where the link costs the step little (a fast link), a probe reading 50 % slower
+    is not a move, nor, next to a slow link's second, 40 % more compute."""
     from gradcompress.autopilot.policy import Basis, favours_compression, favours_less, moved
 
     basis = Basis(0.1, 1e8, 1e-4)
@@ -313,14 +314,16 @@ def test_a_plan_sent_back_is_proposed_again_only_when_compressing_pays_more():
     def favours(compute, bandwidth, dense_bytes=1e8):  # a slow link: a dense step's bytes take 1 s
         return favours_compression(basis, 1.0, compute, bandwidth, dense_bytes)
 
-    assert favours(0.1, 0.7e8) and favours(0.07, 1e8)
-    assert not favours(0.1, 1.5e8) and not favours(0.14, 1e8)
+    assert favours(0.1, 0.7e8) and not favours(0.1, 1.5e8)
     assert not favours(0.1, 0.8e8)  # within 25 %
-    assert favours_less(basis, 1.0, 0.1, 1.5e8, 1e8) and favours_less(basis, 1.0, 0.14, 1e8, 1e8)
-    assert not favours_less(basis, 1.0, 0.1, 0.7e8, 1e8)
+    assert favours_less(basis, 1.0, 0.1, 1.5e8, 1e8) and not favours_less(basis, 1.0, 0.1, 0.7e8, 1e8)
+    # the compute moved by 30-40 %: 30-40 ms of a slow link's second is not a move
+    assert not moved(basis, 1.0, 0.07, 1e8, 1e8) and not moved(basis, 1.0, 0.14, 1e8, 1e8)
     fast = 1e6  # a fast link: 10 ms of a 100 ms step
     assert not moved(basis, 1.0, 0.1, 0.5e8, fast) and not favours(0.1, 0.5e8, fast)
     assert moved(basis, 1.0, 0.1, 0.2e8, fast) and favours(0.1, 0.2e8, fast)  # 50 ms more: a move
+    assert favours(0.07, 1e8, fast) and not favours(0.14, 1e8, fast)  # compute-bound: the compute moves it
+    assert favours_less(basis, 1.0, 0.14, 1e8, fast) and not favours_less(basis, 1.0, 0.07, 1e8, fast)
 
 
 def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():
@@ -346,6 +349,34 @@ def test_the_link_is_probed_when_the_step_moves_or_every_few_checks():
     assert len(probes) == 2
     check(0.2)
     assert len(probes) == 3  # every PROBE_EVERY checks anyway
+
+
+def test_a_probe_that_moved_under_a_steady_step_is_noise():
+    """The step decides: a check whose probe reads the link 3x slower calls for a decision only if the current
+    plan's own step time or its wait moved since they were last measured (a link that really slowed moves the wait
+    of a compressed plan, the step of a dense one); a change of regime calls for one whatever the step."""
+    import dataclasses
+
+    from gradcompress.autopilot.measure import Prober
+    from gradcompress.autopilot.policy import Basis, Check, review
+
+    pilot = _pilot()
+    cands = pilot.options.candidates
+    ctx = pilot._context()
+    bandwidth = ctx.dense_bytes / 0.05  # a dense step's bytes take as long as the compute
+    ctx = dataclasses.replace(ctx, basis=Basis(0.05, bandwidth, 1e-4), fitted=(0.0, 1.0))
+    check = Check(23, 0.05, 0.2, bandwidth / 3, 1e-4, tuple((0.0,) * len(cands) for _ in SHAPES))
+    assert review(check, ctx, False, steady=False).decide
+    assert not review(check, ctx, False, steady=True).decide
+    assert review(check, ctx, True, steady=True).decide
+    same = dataclasses.replace(check, bandwidth=bandwidth)
+    assert not review(same, ctx, False, steady=False).decide
+    prober = Prober()
+    prober.measured(0.2, 0.05)
+    assert prober.steady(0.22, 0.06) and prober.steady(0.17, 0.05)
+    assert not prober.steady(0.26, 0.05)  # the step moved by 30 %
+    assert not prober.steady(0.2, 0.1)  # the wait moved by 100 % and by 25 % of the step
+    assert prober.steady(0.2, 0.065)  # by 30 %, but less than 10 % of the step: noise
 
 
 @pytest.mark.parametrize("budget", ["safe", "any"])

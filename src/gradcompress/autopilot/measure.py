@@ -228,15 +228,21 @@ class Prober:
         self.unprobed = 0  # checks since the last probe
         self.link: tuple[float, float] | None = None  # the last probe's (bandwidth, alpha), combined over ranks
 
+    def steady(self, step_s: float, wait_s: float = 0.0) -> bool:
+        """Whether the current plan's step time and its wait are where they were at the last probe (or where a
+        selection measured them; a wait not measured yet counts as steady)."""
+        ref, ref_wait = self.reference
+        steady = ref > 0 and step_s > 0 and abs(step_s - ref) <= MOVED * ref
+        if ref_wait is None:
+            return steady
+        waited = abs(wait_s - ref_wait)
+        return steady and not (waited > MOVED * ref_wait and waited > WAIT_FLOOR * step_s)
+
     def due(self, step_s: float, wait_s: float = 0.0) -> bool:
         """Whether this check probes (every rank alike: ``step_s``, ``wait_s`` are gathered)."""
-        (ref, ref_wait), self.unprobed = self.reference, self.unprobed + 1
-        steady = ref > 0 and step_s > 0 and abs(step_s - ref) <= MOVED * ref
-        if ref_wait is None:  # measured by a selection: this check's wait is the reference
-            self.reference = (ref, wait_s)
-        else:
-            waited = abs(wait_s - ref_wait)
-            steady = steady and not (waited > MOVED * ref_wait and waited > WAIT_FLOOR * step_s)
+        steady, self.unprobed = self.steady(step_s, wait_s), self.unprobed + 1
+        if self.reference[1] is None:  # measured by a selection: this check's wait is the reference
+            self.reference = (self.reference[0], wait_s)
         return not (self.link is not None and steady and self.unprobed < PROBE_EVERY)
 
     def probed(self, step_s: float, link: tuple[float, float], wait_s: float = 0.0) -> None:

@@ -141,8 +141,9 @@ class Autopilot(Coordinator):
             got["codec"] = meter.gather(comm, {"codec": [o.codec_s for row in costs for o in row]},
                                         buckets[0].device)["codec"]
         turned = bool(fields["norm"]) and self._observe(got["norm"].sum().item() ** 0.5)
-        compute, step_s = got["compute"].max().item(), got["step"].max().item()
-        bandwidth, alpha = self._link(comm, buckets[0].device, step_s, got["wait"].max().item())
+        compute, step_s, wait_s = got["compute"].max().item(), got["step"].max().item(), got["wait"].max().item()
+        steady = options.bandwidth is None and self.prober.link is not None and self.prober.steady(step_s, wait_s)
+        bandwidth, alpha = self._link(comm, buckets[0].device, step_s, wait_s)
         codec = got["codec"].max(0).values.view(-1, len(options.candidates)).tolist()
         err = got["errors"].sum(0).view(len(keys), len(LEVELS)) if keys else None
         if err is not None and options.allocate == "adam":
@@ -152,7 +153,7 @@ class Autopilot(Coordinator):
         self.check = Check(index, compute, step_s, bandwidth, alpha, tuple(map(tuple, codec)),
                            step_s if plan.dense and plan.flat else 0.0, (tuple(keys), err))
         ctx = self._context()
-        seen = review(self.check, ctx, turned)
+        seen = review(self.check, ctx, turned, steady)
         if seen.decide:
             if seen.measured:  # the link or the compute changed: the layouts are compared again, and a plan a
                 self.probation.moved(seen.more, seen.less)  # selection measured slower may be right now

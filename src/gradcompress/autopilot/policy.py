@@ -4,8 +4,10 @@ No I/O here: no collective, no clock, no file. Everything a decision uses arrive
 holds the same one, built from gathered numbers) and the :class:`Context` (what the last decision was based on and
 what the trial sent back), so every rank decides alike.
 
-* **When to decide** (:func:`review`): at the first check; whenever the compute time, or the link's cost to a
-  dense step (:func:`shift`), moved by more than :data:`MOVED` since the last decision; when the regime changed
+* **When to decide** (:func:`review`): at the first check; whenever the compute time or the link's cost to a
+  dense step (:func:`shift`) moved by more than :data:`MOVED` of the larger of the two since the last decision
+  while the current plan's own step or wait moved too (a probe that reads otherwise under a steady step is noise);
+  when the regime changed
   (``critical=``); or when the dense steps' fit of the link (overlap, share) moved by more than :data:`MOVED` while
   no plan stands rejected (a selection's loser).
 * **What** (:func:`decide`): the cost model's choice per bucket (:func:`.decide.choose`) among the budget's
@@ -148,12 +150,14 @@ def decided_on(basis: Basis, share: float) -> tuple[float, float]:
 
 
 def shift(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> tuple[float, float]:
-    """How the measurements moved since the decision, signed: the compute time's relative change, and the change of
-    the link's cost (the seconds a dense step's bytes take on it) relative to the larger of that cost and the
-    compute time (a fast link whose probe reads 50 % slower costs the step next to nothing more: not a move)."""
+    """How the measurements moved since the decision, signed: the change of the compute time and of the link's cost
+    (the seconds a dense step's bytes take on it), each relative to the larger of the two as decided (a fast link
+    whose probe reads 50 % slower costs the step next to nothing more, nor does 30 % more compute next to a slow
+    link's seconds: neither is a move)."""
     c0, b0 = decided_on(basis, share)
     link, link0 = dense_bytes / max(bandwidth, 1e-12), dense_bytes / max(b0, 1e-12)
-    return (compute - c0) / max(c0, 1e-12), (link - link0) / max(link0, c0, 1e-12)
+    scale = max(link0, c0, 1e-12)
+    return (compute - c0) / scale, (link - link0) / scale
 
 
 def moved(basis: Basis, share: float, compute: float, bandwidth: float, dense_bytes: float) -> bool:
@@ -181,17 +185,19 @@ def refitted(new: tuple, old: tuple) -> bool:
     return abs(new[0] - old[0]) > MOVED or abs(new[1] - old[1]) > MOVED * old[1]
 
 
-def review(check: Check, ctx: Context, regime_changed: bool) -> Review:
-    """Whether ``check`` calls for a decision (see the module docstring)."""
+def review(check: Check, ctx: Context, regime_changed: bool, steady: bool = False) -> Review:
+    """Whether ``check`` calls for a decision (see the module docstring). ``steady``: the current plan's own step
+    time and wait have not moved since they were last measured (a probe or a selection): then a probe or a compute
+    reading that moved is noise, not a move (the step decides; a link that really changed moves the wait)."""
     fitted = ctx.fitted
     if ctx.options.bandwidth is None and check.dense_step_s > 0:  # fresh dense steps: the step as it went
         fitted = fit_link(ctx.costs, ctx.sizes, Link(check.bandwidth, check.alpha), check.compute_s,
                           1.0 if ctx.hooked else 0.0, list(check.codec), check.dense_step_s)
     share, first = ctx.fitted[1], ctx.basis is None
     now = (check.compute_s, check.bandwidth, ctx.dense_bytes)
-    measured = first or moved(ctx.basis, share, *now)
-    more = first or favours_compression(ctx.basis, share, *now)
-    less = first or favours_less(ctx.basis, share, *now)
+    measured = first or (not steady and moved(ctx.basis, share, *now))
+    more = first or (not steady and favours_compression(ctx.basis, share, *now))
+    less = first or (not steady and favours_less(ctx.basis, share, *now))
     again = measured or regime_changed or (refitted(fitted, ctx.fitted) and not ctx.rejected)
     return Review(again, measured, more, less, fitted)
 

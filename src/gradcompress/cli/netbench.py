@@ -114,6 +114,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=positive_int, default=MIN_WARMUP,
                    help=f"untimed steps before them, at least {MIN_WARMUP} (default {MIN_WARMUP}; the first "
                         f"{COMPRESSOR_WARMUP} are dense)")
+    p.add_argument("--fixed-warmup", type=positive_int, default=None, metavar="N",
+                   help="untimed steps for the schemes that are not auto (default: --warmup): a fixed scheme is "
+                        "steady after its dense steps, auto after its decision")
     p.add_argument("--batch-size", type=positive_int, default=32, help="examples per worker per step (default 32)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per worker (default: CPU cores / workers, at least 1)")
@@ -151,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
     schemes = check_schemes(split_schemes(args.schemes) if args.schemes else list(defaults), args.fsdp, nodes)
     if not schemes:
         raise CLIError("--schemes is empty")
-    if args.warmup < MIN_WARMUP:
-        raise CLIError(f"--warmup must be at least {MIN_WARMUP} (2 dense steps, then at least one compressed "
-                       f"step before timing)")
+    for flag, value in (("--warmup", args.warmup), ("--fixed-warmup", args.fixed_warmup)):
+        if value is not None and value < MIN_WARMUP:
+            raise CLIError(f"{flag} must be at least {MIN_WARMUP} (2 dense steps, then at least one compressed "
+                           f"step before timing), got {value}")
     stale = netns.cleanup_stale()
     if stale:
         print(f"netbench: removed {len(stale)} namespace(s) left by a crashed run: {', '.join(stale)}",
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = bench(schemes, hosts, args.bandwidth, args.latency, args.model, args.steps, args.warmup,
                        args.batch_size, args.threads, args.timeout, args.fsdp, per_node, args.change,
-                       args.accelerator)
+                       args.accelerator, args.fixed_warmup)
     except TestbedError as err:
         raise CLIError(str(err)) from None
     if args.json:

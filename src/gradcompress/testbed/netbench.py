@@ -90,18 +90,22 @@ def _decoupled(text: str) -> bool:
 # --------------------------------------------------------------------------- the parent
 def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, model: str, steps: int, warmup: int,
           batch_size: int, threads: int | None, timeout: float, fsdp: bool = False, per_node: int = 1,
-          change: tuple[int, float] | None = None, accelerator: bool = False) -> dict:
+          change: tuple[int, float] | None = None, accelerator: bool = False,
+          fixed_warmup: int | None = None) -> dict:
     """Build the testbed (``workers`` hosts, ``per_node`` workers on each), run every scheme on every worker, tear
     everything down; the merged result. ``accelerator``: the compute leaves the CPU idle
     (:mod:`gradcompress.testbed.accelerator`: a timed wait of rank 0's measured compute time, then the real
-    gradients). :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be built."""
+    gradients). ``fixed_warmup``: the untimed steps of the schemes that are not auto (default ``warmup``).
+    :class:`gradcompress.testbed.hosts.TestbedError` when the network cannot be built."""
     threads = threads or max(1, (os.cpu_count() or 1) // (workers * per_node))
     where = f"{workers} nodes x {per_node} workers" if per_node > 1 else f"{workers} hosts"
     print(f"netbench: {where}, {_fmt_rate(rate_bit)}"
           f"{f', {latency_s * 1e3:g} ms delay' if latency_s else ''}, model {model}, "
           f"{len(schemes)} schemes x ({warmup} + {steps}) steps{', emulated accelerator' if accelerator else ''}",
           file=sys.stderr)
-    settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "batch_size": batch_size,
+    fixed_warmup = warmup if fixed_warmup is None else fixed_warmup
+    settings = {"model": model, "schemes": schemes, "steps": steps, "warmup": warmup, "fixed_warmup": fixed_warmup,
+                "batch_size": batch_size,
                 "threads": threads, "fsdp": fsdp, "collective_timeout": max(60.0, min(timeout, 600.0)),
                 "change": None if change is None else [change[0], change[1], rate_bit], "accelerator": accelerator}
     records = hosts.run_workers(
@@ -110,7 +114,7 @@ def bench(schemes: list[str], workers: int, rate_bit: float, latency_s: float, m
         timeout_hint=" (raise --timeout, or fewer --steps/--schemes at low --bandwidth)", workers_per_node=per_node)
     result = merge(records, schemes, workers * per_node, rate_bit, latency_s, model, steps, warmup, batch_size,
                    threads, fsdp, per_node)
-    result["accelerator"] = accelerator
+    result["accelerator"], result["fixed_warmup"] = accelerator, fixed_warmup
     return result
 
 
@@ -392,7 +396,8 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
         opt.step()
         return loss.item()
 
-    warmup, timed = cfg["warmup"], cfg["steps"]
+    auto = comp is not None and comp.autopilot is not None
+    warmup, timed = cfg["warmup"] if auto else cfg.get("fixed_warmup", cfg["warmup"]), cfg["steps"]
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
     record = _timed_steps(cfg["ifname"], step, opt if own else comp, warmup, timed, cfg.get("change"))
