@@ -11,6 +11,12 @@ after and reported apart. auto: 20 untimed steps (its decision at step 3 and its
 median of 5; a fixed scheme: 4 untimed steps (its 2 dense ones, then 2 compressed), then the median of 5.
 Writes the JSON object (the cells run so far, each with its netbench result or its error) to ``--out`` after each
 cell, and prints it at the end.
+
+    python benchmarks/auto_matrix.py --recheck FITTED.json HELDOUT.json --out /tmp/matrix_recheck.json
+
+re-measures the cells of those results where DDP was the fastest fixed scheme, drift cancelled: DDP, auto, auto,
+DDP in one netbench run (one sample of each, in a row, is what a machine whose speed drifts within a run reads
+wrong; the mean of the two of each is compared).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ COLUMNS = (("batch 16", 16, False), ("batch 64", 64, False), ("batch 16, acceler
 #: the nodes cells: (family, rate, half)
 NODES = (("mlp", "1gbit", "fitted"), ("mlp", "100mbit", "heldout"))
 WARMUP, FIXED_WARMUP, STEPS = 20, 4, 5
+#: the re-check of a DDP-best cell: each twice, mirrored
+RECHECK = "ddp;auto;auto;ddp"
 
 
 def cells() -> list[dict]:
@@ -48,26 +56,41 @@ def cells() -> list[dict]:
     return out
 
 
-def netbench_args(cell: dict) -> list[str]:
+def netbench_args(cell: dict, schemes: str = SCHEMES) -> list[str]:
     """The netbench command line of one cell."""
     where = (["--nodes", str(cell["nodes"][0]), "--workers-per-node", str(cell["nodes"][1])] if cell["nodes"]
              else ["--workers", "4"])
     return where + ["--bandwidth", cell["rate"], "--model", cell["model"], "--batch-size", str(cell["batch"]),
                     "--steps", str(STEPS), "--warmup", str(WARMUP), "--fixed-warmup", str(FIXED_WARMUP),
-                    "--schemes", SCHEMES, "--timeout", "3000", "--json"] + (
+                    "--schemes", schemes, "--timeout", "3000", "--json"] + (
         ["--accelerator"] if cell["accelerator"] else [])
+
+
+def ddp_best(results: list[str]) -> list[dict]:
+    """The cells of the result files ``results`` whose fastest fixed scheme was DDP."""
+    out = []
+    for path in results:
+        with open(path) as f:
+            for run in json.load(f)["cells"]:
+                if "result" in run:
+                    fixed = [s for s in run["result"]["schemes"] if s["scheme"] in SCHEMES.split(";")[:-1]]
+                    if min(fixed, key=lambda s: s["median_step_s"])["scheme"] == "ddp":
+                        out.append(run["cell"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--half", choices=("fitted", "heldout", "all"), default="all")
+    p.add_argument("--recheck", nargs="+", metavar="RESULT", help="re-measure these results' DDP-best cells")
     p.add_argument("--out", required=True, help="the JSON file written after each cell")
     args = p.parse_args(argv)
-    chosen = [c for c in cells() if args.half in ("all", c["half"])]
-    done = {"half": args.half, "schemes": SCHEMES, "warmup": WARMUP, "fixed_warmup": FIXED_WARMUP, "steps": STEPS,
-            "cells": []}
+    chosen = ddp_best(args.recheck) if args.recheck else [c for c in cells() if args.half in ("all", c["half"])]
+    schemes = RECHECK if args.recheck else SCHEMES
+    done = {"half": "recheck" if args.recheck else args.half, "schemes": schemes, "warmup": WARMUP,
+            "fixed_warmup": FIXED_WARMUP, "steps": STEPS, "cells": []}
     for n, cell in enumerate(chosen):
-        command = [sys.executable, "-m", "gradcompress", "netbench", *netbench_args(cell)]
+        command = [sys.executable, "-m", "gradcompress", "netbench", *netbench_args(cell, schemes)]
         print(f"auto_matrix: cell {n + 1}/{len(chosen)}: {' '.join(command[3:])}", file=sys.stderr, flush=True)
         run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         if run.returncode != 0:

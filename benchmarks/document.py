@@ -72,6 +72,16 @@ PENDING: dict[str, tuple[str, int, str | None]] = {
                                           f"--steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 5),
     "auto_selection_mlp_100mbit": _netbench("auto_selection_mlp_100mbit", "--workers 4 --bandwidth 100mbit --model "
                                             f"mlp --steps 5 --warmup 20 --timeout 1800 --schemes '{SELECTION}'", 8),
+    "auto_matrix_fitted": (f"{RECORD} auto_matrix_fitted --from /tmp/matrix_fitted.json -- python "
+                           "benchmarks/auto_matrix.py --half fitted --out /tmp/matrix_fitted.json", 25,
+                           "needs root: network namespaces"),
+    "auto_matrix_heldout": (f"{RECORD} auto_matrix_heldout --from /tmp/matrix_heldout.json -- python "
+                            "benchmarks/auto_matrix.py --half heldout --out /tmp/matrix_heldout.json", 25,
+                            "needs root: network namespaces; run after the fitted half, the constants unchanged"),
+    "auto_matrix_recheck": (f"{RECORD} auto_matrix_recheck --from /tmp/matrix_recheck.json -- python "
+                            "benchmarks/auto_matrix.py --recheck benchmarks/results/auto_matrix_fitted.json "
+                            "benchmarks/results/auto_matrix_heldout.json --out /tmp/matrix_recheck.json", 20,
+                            "needs root: network namespaces; after both halves"),
     "auto_heldout": (f"{RECORD} auto_heldout -- python benchmarks/auto_heldout.py --seed $(git rev-parse HEAD) --n 6 "
                      "--json", 60, "the shared tools next to the checkout (../shared/tools/heldout.py)"),
     "netbench_mlp_1gbit_w2": _netbench("netbench_mlp_1gbit_w2", "--workers 2 --bandwidth 1gbit --model mlp --steps 5 "
@@ -259,7 +269,7 @@ MAIN_MACHINE = "AMD EPYC, 2 cores, Linux 6.18.44-fc-v1272, Python 3.11.7, torch 
 def sources(r: Results, names: list[str]) -> list[str]:
     """Where a table's numbers come from: each file's command and commit, one line each (and its machine where it
     is not :data:`MAIN_MACHINE`)."""
-    lines = ["", "Measured by († = command and commit reconstructed afterwards from the git history):", ""]
+    lines = ["", "Measured by († = command and commit reconstructed afterwards from the git history):"]
     for name in names:
         data = r.get(name)
         mark = " †" if "provenance" in data and "from git history" in data["provenance"] else ""
@@ -762,7 +772,7 @@ def autopilot_tables(r: Results) -> list[str]:
                   "best fixed scheme", "any / best", "its plan"], rows, right={1, 2, 3, 5, 6, 7})
     out += pending(r, "netbench_mlp_100mbit")
     out += sources(r, used)
-    out += [""] + selection_table(r) + [""] + heldout_table(r) + [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
+    out += [""] + selection_table(r) + [""] + matrix_tables(r) + [""] + heldout_table(r) + [""] + link_drop(r) + [""] + compute_bound(r) + [""] + auto_nodes(r)
     out += ["", "On the LM task and digits (accuracy, with a bandwidth hint): [What it keeps of accuracy]"
                 "(#what-it-keeps-of-accuracy)."]
     return out
@@ -813,38 +823,114 @@ def selection_table(r: Results) -> list[str]:
     return out
 
 
+MATRIX_RATES = ("10gbit", "1gbit", "100mbit", "10mbit")
+
+
+def _matrix_cell(run: dict) -> tuple[str, float | None, bool | None]:
+    """One cell's text (auto / the best fixed scheme, the best's name, auto's plan), the ratio, and whether DDP
+    was the best (None where the cell failed)."""
+    if "result" not in run:
+        return "failed", None, None
+    res = run["result"]
+    best = min((scheme(res, n) for n in FIVE), key=lambda x: x["median_step_s"])
+    auto = scheme(res, "auto")
+    ratio = auto["median_step_s"] / best["median_step_s"]
+    plan = "+".join(sorted("dense" if c == "none" else c for c in (auto["auto"] or {}).get("plan") or {"none": 1}))
+    return f"{times(ratio)} {best['scheme']} / {plan}", ratio, best["scheme"] == "ddp"
+
+
+def matrix_tables(r: Results) -> list[str]:
+    """Issue 39's matrix (``benchmarks/auto_matrix.py``): one table of families and columns by rate, both halves
+    (the held-out cells in italics); each cell auto / the best of the five fixed schemes of its run, the best's name
+    and auto's plan; a line per half with its counts."""
+    names = [n for n in ("auto_matrix_fitted", "auto_matrix_heldout") if r.has(n)]
+    out = ["### The matrix: 3 families x 4 rates x 3 columns, and nodes", "",
+           "`python benchmarks/auto_matrix.py`: the MLP (`mlp:512`, 1.3M parameters), the CNN (`conv:32`, 0.39M) and "
+           "the transformer LM (`transformer:128`, 0.47M) at 4 rates, with batch 16, batch 64 and batch 16 on the "
+           "emulated accelerator (the compute a timed wait, the CPU idle), 4 hosts; and 2 nodes of 4 workers. Each "
+           "cell is one netbench run: auto (20 untimed steps, then the median of 5) against the best of DDP, "
+           "torch-fp16, fp16, int8 and int4 (4 untimed steps, then the median of 5) in the same run, in that order; "
+           "a cell reads *auto / best, the best fixed scheme / auto's plan*. The cells are split like a checkerboard: "
+           "the fitted half was run first, the held-out half (*in italics*) after it with every constant unchanged. "
+           "One sample per scheme: this machine's runs of one configuration vary by 10–15 %.", ""]
+    rows: dict = {}
+    order = [f"`{m}`, {c}" for m in ("mlp:512", "conv:32", "transformer:128")
+             for c in ("batch 16", "batch 64", "batch 16, accelerator", "nodes 2 x 4, batch 16")]
+    for name in names:
+        data, held = r.get(name), name.endswith("heldout")
+        ratios, ddp_best = [], []
+        for run in data["cells"]:
+            c = run["cell"]
+            text, ratio, on_ddp = _matrix_cell(run)
+            label = f"`{c['model']}`, {c['column']}"
+            rows.setdefault(label, ["·"] * len(MATRIX_RATES))[MATRIX_RATES.index(c["rate"])] = \
+                f"*{text}*" if held else text
+            if ratio is not None:
+                ratios.append(ratio)
+                if on_ddp:
+                    ddp_best.append(ratio)
+        out += [f"- **{'Held out' if held else 'Fitted'}** ({len(data['cells'])} cells): auto ≤ 1.05x the best fixed "
+                f"scheme in {sum(x <= 1.05 for x in ratios)} of {len(ratios)}, ≤ 1.10x in "
+                f"{sum(x <= 1.10 for x in ratios)}; where DDP was best, ≤ 1.03x DDP in "
+                f"{sum(x <= 1.03 for x in ddp_best)} of {len(ddp_best)}; median "
+                f"{times(statistics.median(ratios)) if ratios else '–'}, worst {times(max(ratios)) if ratios else '–'}."]
+    if rows:
+        out += [""] + table(["cell"] + [rate(float(x[:-4]) * (1e9 if x.endswith("gbit") else 1e6))
+                                        for x in MATRIX_RATES],
+                            [[label] + rows[label] for label in sorted(rows, key=order.index)], right=set())
+    out += recheck_line(r)
+    out += pending(r, "auto_matrix_fitted", "auto_matrix_heldout", "auto_matrix_recheck")
+    names += ["auto_matrix_recheck"] if r.has("auto_matrix_recheck") else []
+    out += sources(r, names) if names else []
+    return out
+
+
+def recheck_line(r: Results) -> list[str]:
+    """The DDP-best cells re-measured with the drift cancelled (DDP, auto, auto, DDP in one run)."""
+    if not r.has("auto_matrix_recheck"):
+        return []
+    parts, ratios = [], []
+    for run in r.get("auto_matrix_recheck")["cells"]:
+        c = run["cell"]
+        label = f"`{c['model']}` {c['column']} at {c['rate']}"
+        if "result" not in run:
+            parts.append(f"{label} failed")
+            continue
+        mean = {n: statistics.fmean(x["median_step_s"] for x in rows_named(run["result"], n)) for n in ("ddp", "auto")}
+        ratios.append(mean["auto"] / mean["ddp"])
+        parts.append(f"{label} {times(ratios[-1])}")
+    return ["", f"**Where DDP was the fastest fixed scheme**, re-measured with the drift cancelled (DDP, auto, auto, DDP "
+            f"in one run; the mean of each's two medians): auto ≤ 1.03x DDP in {sum(x <= 1.03 for x in ratios)} of "
+            f"{len(ratios)}, ≤ 1.05x in {sum(x <= 1.05 for x in ratios)}: " + "; ".join(parts) + "."]
+
+
 def heldout_table(r: Results) -> list[str]:
-    """auto on the held-out cases (``benchmarks/auto_heldout.py``): per case, against the best fixed scheme and
-    DDP in the same run."""
+    """auto on the cases ``../shared/tools/heldout.py`` drew (``benchmarks/auto_heldout.py``): per case, auto against
+    the best fixed scheme of its run, in one paragraph."""
     name = "auto_heldout"
-    out = ["### Held out: cases nobody chose", "",
-           "Cases drawn by `../shared/tools/heldout.py` from a commit hash (model family and size, batch, workers, "
-           "link, latency, an emulated accelerator), run unchanged after this session's constants were fixed on the "
-           "12.6M MLP above: `auto` against the best of DDP, torch-fp16, fp16, int8 and int4 in the same netbench "
-           "run, 20 untimed steps then the median of 5. A latency the kernel cannot emulate (no netem here) is "
-           "dropped and marked.", ""]
+    out = ["### Held out: cases nobody chose", ""]
     if not r.has(name):
         return out + pending(r, name)
     data = r.get(name)
-    rows, within = [], 0
+    parts, within = [], 0
     for run in data["runs"]:
         c = run["case"]
-        label = (f"{c['family']}:{c['width']}, batch {c['batch']}, {c['workers']} workers, {c['rate']}, "
-                 f"{c['latency_ms']} ms{'' if run.get('latency_emulated') else ' (dropped)'}"
+        label = (f"{c['family']}:{c['width']} batch {c['batch']}, {c['workers']} workers, {c['rate']}"
                  f"{', accelerator' if c['accelerator'] else ''}")
         if "result" not in run:
-            rows.append([label, "failed: " + " ".join(run.get("error", [])), "–", "–", "–", "–"])
+            parts.append(f"{label}: failed")
             continue
         res = run["result"]
         best = min((scheme(res, n) for n in FIVE), key=lambda x: x["median_step_s"])
-        auto, ddp = scheme(res, "auto"), scheme(res, "ddp")
+        auto = scheme(res, "auto")
         ratio = auto["median_step_s"] / best["median_step_s"]
         within += ratio <= 1.05
-        rows.append([label, f"{code(best['scheme'])} {ms(best['median_step_s'])} ms", f"{ms(ddp['median_step_s'])} ms",
-                     f"{ms(auto['median_step_s'])} ms", f"**{times(ratio)}**", plan_text(auto["auto"])])
-    out += [f"Seed `{data['seed'][:12]}`: auto within 1.05x of the best fixed scheme in {within} of "
-            f"{len(data['runs'])} cases.", ""]
-    out += table(["case", "best fixed", "DDP", "auto", "auto / best", "auto's plan"], rows, right={2, 3, 4})
+        parts.append(f"{label}: {times(ratio)} ({best['scheme']} best; auto {plan_text(auto['auto'])})")
+    out += [f"Cases drawn by `../shared/tools/heldout.py` from the commit hash `{data['seed'][:12]}` (model family "
+            "and size, batch, workers, link, an emulated accelerator; their latencies dropped: no netem here), run "
+            "unchanged: `auto` against the best of DDP, torch-fp16, fp16, int8 and int4 in the same netbench run, 20 "
+            f"untimed steps then the median of 5. Within 1.05x in {within} of {len(data['runs'])}: "
+            + "; ".join(parts) + "."]
     out += sources(r, [name])
     return out
 
@@ -861,14 +947,22 @@ def link_drop(r: Results) -> list[str]:
         rows.append(f"{code(s['scheme'])} {means} ms")
     auto = scheme(data, "auto")
     dense = scheme(data, "ddp")["wire_bytes_per_step"]
-    switched = next(i for i in range(drop, len(auto["step_wire_bytes"])) if auto["step_wire_bytes"][i] < dense)
+    wire = auto["step_wire_bytes"]
+    before = "dense" if wire[drop - 1] >= 0.5 * dense else "compressing"
+    switched = next((i for i in range(drop, len(wire)) if wire[i] < 0.5 * dense), None)
+    late = [(statistics.median(x["step_s"][drop + 20:]), x["scheme"])
+            for x in data["schemes"] if len(x["step_s"]) > drop + 20]
+    best = min((t, n) for t, n in late if n != "auto")
+    after = next(t for t, n in late if n == "auto")
+    how = ("was compressing already when it dropped" if before == "compressing" else
+           f"was dense at the fast rate; its first compressed step after the drop was timed step {switched} (within "
+           f"{switched - drop + 1} steps)" if switched is not None else "was dense at the fast rate and stayed dense")
     out = ["### When the link drops mid-run", "",
            f"The compute-bound CNN (0.39M parameters), 4 hosts at {rate(data['bandwidth_bit'])}; before timed step "
            f"{drop} every uplink is reshaped to {change.group(2)} with `tc` (`--change`). Mean step time per 10 "
-           f"timed steps ({', '.join(f'{a}–{b - 1}' for a, b in windows)}): {'; '.join(rows)}. `auto` (before this "
-           f"session's selection) was dense at the fast rate (it tried int4, measured it slower, went back); its "
-           f"first compressed step after the drop was timed step {switched}: it switched within "
-           f"{switched - drop + 1} steps, and probed {size(auto['auto']['probe_bytes'])} in all.", ""]
+           f"timed steps ({', '.join(f'{a}–{b - 1}' for a, b in windows)}): {'; '.join(rows)}. `auto` {how}; from "
+           f"20 steps after the drop its median step is {times(after / best[0])} the best fixed scheme's "
+           f"({code(best[1])}); it probed {size(auto['auto']['probe_bytes'])} in all.", ""]
     out += sources(r, [name])
     return out
 
@@ -976,15 +1070,14 @@ def _ftbench(data: dict, where: str) -> list[str]:
 
 
 def _stalls(data: dict) -> list[str]:
-    rows = []
-    for c in data["cases"]:  # noqa: B007
-        stalls = [x for x in c["stall_seconds"] if x is not None]
-        text = ", ".join(f"{x:.2f}" for x in stalls) or "–"
-        rows.append([code(c["scheme"]), c["kill"], text, ", ".join(str(x) for x in c["uncommitted_survivor_steps"])])
-    return ([f"The stall after a kill ({data['replicas']} replicas, killed at step {data['kill_at']}, "
-             f"{data['repeats']} runs each; seconds from the kill to the survivors' first commit of a later step):",
-             ""] + table(["scheme", "kill", "stall (s), each run", "survivor steps not committed, each run"], rows)
-            + [""])
+    parts = []
+    for c in data["cases"]:
+        stalls = ", ".join(f"{x:.2f}" for x in c["stall_seconds"] if x is not None) or "–"
+        parts.append(f"{code(c['scheme'])} killed {c['kill']}: {stalls} s, survivor steps not committed "
+                     f"{', '.join(str(x) for x in c['uncommitted_survivor_steps'])}")
+    return [f"The stall after a kill ({data['replicas']} replicas, killed at step {data['kill_at']}, "
+            f"{data['repeats']} runs each; seconds from the kill to the survivors' first commit of a later step): "
+            + "; ".join(parts) + ".", ""]
 
 
 def _demo_faults(data: dict) -> list[str]:
