@@ -345,8 +345,14 @@ def summary(r: Results) -> list[str]:
     out.append(f"- **Which scheme at my link** (12.6M MLP, 4 hosts; fastest fixed scheme, x DDP in the same run): "
                + "; ".join(fast) + ".")
     auto = [times(ratio) for _, ratio in autopilot_ratios(r)]
+    halves = []
+    for name, half in (("auto_matrix_fitted", "fitted"), ("auto_matrix_heldout", "held-out")):
+        if r.has(name):
+            ratios = [x for x in (_matrix_cell(run)[1] for run in r.get(name)["cells"]) if x is not None]
+            halves.append(f"{sum(x <= 1.05 for x in ratios)} of {len(ratios)} {half} cells")
+    matrix = f"; on issue 39's matrix within 1.05x in {' and '.join(halves)}" if halves else ""
     out.append(f"- **The autopilot** (`auto`) against the best of DDP, torch-fp16, fp16, int8 and int4 at 10 Gbit/s, "
-               f"1 Gbit/s, 100 Mbit/s: {', '.join(auto)}.")
+               f"1 Gbit/s, 100 Mbit/s: {', '.join(auto)}{matrix}.")
     tuned = tuned_ddp(r)
     lm = r.get("lm_auto_lr1e-2_300")
     crit = run(r.get("lm_auto_critical_lr1e-2_300"), "auto:bandwidth=100mbit")

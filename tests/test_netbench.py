@@ -101,6 +101,7 @@ def test_needs_ip_and_tc_one_line(monkeypatch, capsys):
     (["netbench", "--latency", "1"], "bad duration"),
     (["netbench", "--schemes", "nosuch"], "unknown scheme"),
     (["netbench", "--model", "conv:x"], "mlp:W, conv:C, transformer:D"),
+    (["netbench", "--fixed-warmup", "2"], "--fixed-warmup must be at least 3"),
     (["plan", "--params", "1e6", "--workers", "4", "--bandwidth", "1gbit", "--schemes", "threshold"], "threshold"),
 ])
 def test_bad_arguments_one_line(argv, text, capsys, monkeypatch):
@@ -301,10 +302,13 @@ def test_netbench_fsdp_scheme_options():
 @pytest.mark.slow
 def test_netbench_accelerator_and_a_family_by_size():
     """``--accelerator`` with ``--model conv:8``: every scheme runs on the emulated accelerator (the result says
-    so), the bytes sent are the real ones, and an unknown size is refused in one line."""
+    so), the bytes sent are the real ones, and an unknown size is refused in one line. ``--fixed-warmup``: the
+    fixed schemes' untimed steps, auto's stay ``--warmup``."""
     result = _run_json(["--workers", "2", "--bandwidth", "100mbit", "--model", "conv:8", "--steps", "3",
-                        "--schemes", "ddp;int8", "--accelerator"], timeout=180)
-    assert result["accelerator"] is True and result["model"] == "conv:8"
+                        "--warmup", "5", "--fixed-warmup", "3", "--schemes", "ddp;int8;auto:bandwidth=100mbit",
+                        "--accelerator"], timeout=180)
+    assert result["accelerator"] is True and result["model"] == "conv:8" and result["fixed_warmup"] == 3
     rows = {r["scheme"]: r for r in result["schemes"]}
+    assert [r["warmup_steps"] for r in result["schemes"]] == [3, 3, 5]
     assert rows["ddp"]["wire_bytes_per_step"] / rows["int8"]["wire_bytes_per_step"] > 3
     assert all(r["median_step_s"] > result["compute_solo_s"] for r in rows.values())  # the wait is in every step

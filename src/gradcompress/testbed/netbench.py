@@ -193,6 +193,7 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
         "codec_s_per_step": statistics.fmean(codec) / n if codec else None,
         "wait_s_per_step": statistics.fmean(wait) / n if wait else None,
         "param_bytes_per_step": None if recs[0].get("param_bytes") is None else recs[0]["param_bytes"] / n,
+        "warmup_steps": recs[0].get("warmup"),
         "buckets": recs[0]["buckets"],
         "error_feedback": recs[0]["error_feedback"],
         "final_loss": recs[0]["loss"],
@@ -401,7 +402,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
     record = _timed_steps(cfg["ifname"], step, opt if own else comp, warmup, timed, cfg.get("change"))
-    record.update(scheme=text, buckets=_bucket_count(cfg, model, net, own), auto=comp.stats().get("auto") if comp else None,
+    record.update(scheme=text, warmup=warmup, buckets=_bucket_count(cfg, model, net, own), auto=comp.stats().get("auto") if comp else None,
                   explain=comp.explain() if comp is not None and comp.autopilot is not None else None,
                   error_feedback=_error_feedback(cfg, text, h, comp),
                   bucket_cap_bytes=None if cap_mb is None else cap_mb * 2**20)
