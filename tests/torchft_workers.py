@@ -92,18 +92,32 @@ def group_replica(cfg):
 
 def _group_steps(cfg, manager, examples: int):
     """A replica group process's steps until ``steps``: (the Manager's step, this step's minibatch of 32 indices),
-    with the scenario's points (``kill_at``: SIGKILL this process; ``pause_at``: wait for the restarted replica); a
-    first start waits for every replica first."""
+    with the scenario's points (``kill_at``: SIGKILL the group — group rank 0 kills its peers first, so that none
+    of them sees rank 0's Manager vanish and fails on its own before its kill —; ``pause_at``: wait for the
+    restarted replica); a first start waits for every replica first."""
     gen = torch.Generator().manual_seed(1000 + 10 * cfg["replica"] + cfg["group_rank"])
+    with open(os.path.join(cfg["dir"], f"pid{cfg['replica']}_{cfg['group_rank']}"), "w") as f:
+        f.write(str(os.getpid()))
     if cfg["group_rank"] == 0 or not cfg.get("restarted"):
         rendezvous(cfg)
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
         if cfg.get("kill_at") == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill_group(cfg)
         if cfg.get("pause_at") == step:
             wait_for(os.path.join(cfg["dir"], "rejoined"))
         yield step, torch.randint(0, examples, (32,), generator=gen)
+
+
+def _kill_group(cfg) -> None:
+    """SIGKILL this replica group: group rank 0 its peers first (each named by its pid file), then itself."""
+    if cfg["group_rank"] == 0:
+        for g in range(1, 2):
+            try:
+                os.kill(int(open(os.path.join(cfg["dir"], f"pid{cfg['replica']}_{g}")).read()), signal.SIGKILL)
+            except (OSError, ValueError):  # already gone
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _join_group(cfg):
