@@ -398,7 +398,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
         return loss.item()
 
     auto = comp is not None and comp.autopilot is not None
-    warmup, timed = cfg["warmup"] if auto else cfg.get("fixed_warmup", cfg["warmup"]), cfg["steps"]
+    warmup, timed = cfg["warmup"] if auto else cfg["fixed_warmup"], cfg["steps"]
     if h:  # whole intervals: one untimed, then the timed steps rounded up to whole intervals
         warmup, timed = h, h * -(-timed // h)
     record = _timed_steps(cfg["ifname"], step, opt if own else comp, warmup, timed, cfg.get("change"))
