@@ -1,7 +1,7 @@
 """The documentation's demo tables from a demo's ``results.json``, so pages and results cannot drift (issue 24).
 
 Prints the table ``gradcompress demo`` printed for that run (the demo's own
-:func:`gradcompress.cli.demo.format_table`, digits or ``--task lm`` alike) in a fenced block, after
+:func:`gradcompress.cli.demo.format_demo`, digits or ``--task lm`` alike) in a fenced block, after
 the run's figures as the page's heading gives them (workers, steps, seconds). The digits table lives in
 ``docs/demo.md``, the LM table in ``docs/accuracy.md`` (they were the README's until the README became a
 front page; ``tests/test_readme.py`` finds whichever page holds each)::
@@ -21,7 +21,7 @@ import json
 import re
 import sys
 
-from gradcompress.cli.demo import format_table
+from gradcompress.cli.demo import format_demo
 
 FENCE = "```"
 BLOCKS = re.compile(r"^```\w*\n(.*?)^```$", re.S | re.M)
@@ -34,7 +34,7 @@ def figures(result: dict) -> str:
 
 
 def block(result: dict) -> str:
-    return f"{FENCE}\n{format_table(result['runs'], result['task']['workers'])}\n{FENCE}"
+    return f"{FENCE}\n{format_demo(result['runs'], result['task']['workers'])}\n{FENCE}"
 
 
 def find_block(text: str, header: str) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import time
 
 import torch
@@ -56,7 +57,8 @@ def _hint(compressor, rate: float) -> None:
     import dataclasses
 
     pilot = compressor.autopilot
-    pilot.config = dataclasses.replace(pilot.config, auto=dataclasses.replace(pilot.options, bandwidth=rate))
+    auto = dataclasses.replace(pilot.options, bandwidth=rate)
+    pilot.config = dataclasses.replace(pilot.config, scheme=dataclasses.replace(pilot.config.scheme, auto=auto))
 
 
 def _same_everywhere(text: str) -> bool:
@@ -220,7 +222,7 @@ def relayout_invariant(rank: int, world: int, steps: int, to_nodes: int, back: i
         for k, shape in shapes.items():
             if hierarchical:  # piece j of the nodes' mean: the workers of local rank j, averaged over nodes
                 h = comp.hierarchy
-                from gradcompress.exchanges.hierarchical import piece_key, to_whole
+                from gradcompress.exchanges.hierarchical import to_whole
                 whole = to_whole(h.intra.world, h.intra.rank, comp.residual, {k: shape})[k]
             else:
                 whole = comp.residual[k].clone()
@@ -287,7 +289,7 @@ def poisoned_cache(rank: int, world: int, steps: int, folder: str) -> dict:
     model = DDP(_model(), bucket_cap_mb=0.1)
     comp = gradcompress.register_ddp_hook(model, "auto:bandwidth=100gbit,cache=off")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    pilot, plans, same, equal, decided = comp.autopilot, [], [], [], []
+    pilot, plans, same, equal = comp.autopilot, [], [], []
     for step in range(steps):
         if step == 2 and rank == 1:  # the buckets are known (DDP rebuilt them after step 0): poison this cache
             path = f"{folder}/calibration-{rank}.json"
@@ -308,3 +310,98 @@ def poisoned_cache(rank: int, world: int, steps: int, folder: str) -> dict:
         table = record(pilot.config, world, pilot.meter.buckets, pilot.options.candidates, Cache(path))
         alone = sum(c.sent for row in table for o in row[1:2] for r in o.rounds for c in r)
     return {"plans": plans, "same": same, "equal": equal, "stats": comp.stats()["auto"], "poisoned_sent": alone}
+
+
+class _Lines(logging.Handler):
+    """Collects the formatted lines of the ``gradcompress`` loggers in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+def newcomer_mlp(rank: int, steps: int, spec: str) -> None:
+    """The newcomer's script (issue 48): an 85K-parameter MLP (64-256-256-10) under DDP with its default buckets,
+    ``register_ddp_hook(ddp, spec)``, SGD with momentum, a fixed random task."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    ddp = DDP(model)
+    gradcompress.register_ddp_hook(ddp, spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(2048, 64, generator=g)
+    y = x[:, :10].argmax(1)
+    for _ in range(steps):
+        idx = torch.randint(0, 2048, (32,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        opt.step()
+
+
+def stationary(rank: int, world: int, task: str, steps: int, spec: str = "auto", jitter: tuple | None = None) -> dict:
+    """A run whose link (loopback) and compute do not change: ``task`` is ``digits`` or ``lm`` (the library's own
+    tasks, as ``gradcompress train --task TASK --schemes SPEC`` runs them) or ``mlp`` (:func:`newcomer_mlp`). The
+    plan each step ran (None while a selection measures plans against each other), the autopilot's log lines on
+    this rank (every level), its stats and explain(). ``jitter`` (probability, seconds): a loaded machine, seeded
+    per rank: a step reads that much longer on the autopilot's clock with that probability, whatever its plan."""
+    from gradcompress.autopilot import Autopilot
+    from gradcompress.autopilot.probation import Selection
+
+    seen: list = []
+    pilots: list = []
+    closed = Autopilot.closed
+
+    def record(self, step) -> None:  # the plan this step ran, as the step saw it
+        closed(self, step)
+        if not pilots:
+            pilots.append(self)
+            if jitter is not None:
+                _jitter(self.meter, rank, *jitter)
+        seen.append(None if isinstance(self.probation.state, Selection) else tuple(sorted(self.choice.chosen.items())))
+
+    Autopilot.closed = record  # this worker process only
+    handler = _Lines()
+    logger = logging.getLogger("gradcompress")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        if task == "mlp":
+            newcomer_mlp(rank, steps, spec)
+        else:
+            from gradcompress.cli.task import TASKS, RunConfig, train_run
+
+            cfg = RunConfig(scheme=spec, steps=steps, task=task, progress_every=10 ** 9)
+            train_run(rank, world, TASKS[task].load(cfg.seed), cfg, torch.device("cpu"))
+    finally:
+        Autopilot.closed = closed
+        logger.removeHandler(handler)
+    pilot = pilots[0]
+    return {"plans": seen, "first": pilot.first, "lines": handler.lines, "stats": pilot.stats(),
+            "explain": pilot.explain()}
+
+
+def _jitter(meter, rank: int, probability: float, seconds: float) -> None:
+    """``meter``'s clock from now on: the host's, plus ``seconds`` at the start of a step with ``probability`` (the
+    step before reads that much longer: a burst of another process's work)."""
+    import random
+
+    offset, draw = [0.0], random.Random(rank)
+    meter.use(HostClock(lambda: time.perf_counter() + offset[0]))
+    started = meter.step_started
+
+    def step_started(comm) -> None:
+        if draw.random() < probability:
+            offset[0] += seconds
+        started(comm)
+
+    meter.step_started = step_started
+
+
+def plan_changes(plans: list, first: int) -> int:
+    """Changes of the plan kept (the steps a selection measures left out) after the first decision's (the plan kept
+    at the end of the first selection, which begins at step ``first``)."""
+    kept = [p for p in plans[first:] if p is not None]
+    return sum(a != b for a, b in zip(kept, kept[1:]))

@@ -3,7 +3,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # worker modules must be importable in spawned workers
 
-import tempfile  # noqa: E402
+import tempfile
 
 #: the autopilot's calibration cache of this test run, apart from the user's (~/.cache) and from other runs: a test
 #: must not find what an earlier run measured. Spawned workers inherit it.

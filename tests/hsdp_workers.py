@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import gradcompress
 from gradcompress.cli.schemes import split_scheme
@@ -171,3 +171,53 @@ def params_runs(rank, world, params, steps):
 def params_variants(rank, world, variants, steps):
     """:func:`params_runs` for each ``params=`` value in one launch, keyed by ``str(value)``."""
     return {str(p): params_runs(rank, world, p, steps) for p in variants}
+
+
+def native_model(scheme: str | None, factor: float | None = None):
+    """The tests' MLP sharded by FSDP over the 2-D (replicate, shard) mesh itself — native HSDP, as torchtitan
+    builds it — with ``factor`` as every module's gradient divide factor (torchtitan: 1.0, a sum) and, given a
+    ``scheme``, ``register_fsdp(model, scheme)`` with no mesh: its own mesh gives the layout."""
+    mesh = hsdp_mesh()
+    model = make_model(0)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if factor is not None:  # as torchtitan's distributed/fsdp.py disable_fsdp_gradient_division: every module
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(factor)
+                module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM(1/factor): gloo has none
+    comp = None
+    if scheme is not None:
+        codec, options = split_scheme(scheme)
+        comp = gradcompress.register_fsdp(model, codec, **options)
+    return model, comp
+
+
+def native_runs(rank, world, schemes, steps):
+    """Per scheme, ``steps`` backward passes on one batch (no update): the sharded gradients under the compressed
+    1-D layout (``mesh=``), under native HSDP compressed (``native``), and native HSDP compressed with torchtitan's
+    divide factor 1.0 (``summed``); FSDP's own native HSDP as ``reference``; and whether each native run's replicas of
+    a shard hold equal gradients."""
+    x, y = batch(rank, 0)
+    out: dict = {}
+    reference, _ = native_model(None)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    out["reference"] = local_grads(reference)
+    for scheme in schemes:
+        runs = {}
+        for name in ("layout", "native", "summed"):
+            if name == "layout":
+                model, comp, _ = hsdp_model(scheme)
+            else:
+                model, comp = native_model(scheme, 1.0 if name == "summed" else None)
+            grads = []
+            for _ in range(steps):
+                model.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                grads.append(local_grads(model))
+            runs[name] = {"grads": grads, "stats": comp.stats(),
+                          "peers_equal": same_shard_peers_equal(grads[-1], rank)}
+        out[scheme] = runs
+    return out

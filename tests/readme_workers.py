@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gradcompress
+from gradcompress.testbed import launch
 
 
 class Net(nn.Module):
@@ -73,10 +74,17 @@ def run_snippet(rank: int, name: str, code: str, port: int) -> dict:
     step, and a checksum of the averaged gradients (equal on every rank unless the model is sharded).
     """
     ns = placeholders(rank, code)
-    if "init_process_group(" in code:
+    own_world = "init_process_group(" in code
+    if own_world:  # each such snippet a port of its own (rank 0's free port, told to every rank)
+        fresh = torch.tensor([launch.free_port() if rank == 0 else 0])
+        dist.broadcast(fresh, 0)
         dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(port)
+        os.environ["MASTER_PORT"] = str(int(fresh))
     exec(compile(code, name, "exec"), ns)
+    if own_world and re.search(r"^compressor = ", code, re.M) is None:
+        # a whole program (its own group and optimizer, e.g. DiLoCo): what it reports of itself
+        opt = ns.get("opt")
+        return {"steps": None, "grad_sum": None, "stats": opt.stats() if hasattr(opt, "stats") else None}
     compressor, model = ns["compressor"], ns["model"]
     after_snippet = compressor.stats()["steps"]
     x, y = ns["loader"][0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
@@ -65,24 +64,36 @@ def first_fragment_update(rank, world, fragments):
     return [a.detach().clone() for a in opt.anchor], opt.parts
 
 
-def slow_worker(rank, world, sleep=0.03, steps=24):
-    """Rank 1 sleeps in every inner step; each step's duration on every rank and which steps applied an update."""
+def slow_worker(rank, world, steps=24, h=8, fragments=2, delay=3):
+    """Ordered by events, not timed: rank 1 holds back its first inner step until rank 0 has completed every step
+    before its first apply step (fragment 0 is first sent after step ``h`` and applied ``delay`` steps later),
+    which rank 0 can only do if its sends and ordinary steps never wait for rank 1. Returns, per rank, each step's
+    ``(inner step, applied an update)``, whether rank 0 got that far alone (rank 1's view; True on rank 0) and
+    the stats."""
+    from datetime import timedelta
+
+    store = dist.distributed_c10d._get_default_store()
+    first_apply = h + delay  # streaming.due: fragment f at k*h + f*h // fragments, k >= 1
     model = square_model()
-    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=8, codec="int4", fragments=2,
-                 delay=3)
-    durations = []
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), sync_every=h, codec="int4",
+                 fragments=fragments, delay=delay)
+    steps_done, alone = [], True
     for step in range(steps):
-        start = time.perf_counter()
+        if rank == 1 and step == 0:
+            try:
+                store.wait(["slow_worker/fast_ready"], timedelta(seconds=60))
+            except Exception:  # rank 0 never got there: it waited for this rank in an ordinary step
+                alone = False
         opt.zero_grad()
         _loss(model, rank, step).backward()
-        if rank == 1:
-            time.sleep(sleep)
         before = opt.syncs
         opt.step()
-        durations.append((opt.inner_steps, time.perf_counter() - start, opt.syncs > before))
+        steps_done.append((opt.inner_steps, opt.syncs > before))
+        if rank == 0 and opt.inner_steps == first_apply - 1:
+            store.set("slow_worker/fast_ready", "1")
     stats = opt.stats()
     opt.close()
-    return durations, stats
+    return steps_done, alone, stats
 
 
 def inf_in_one_fragment(rank, world, h=8):

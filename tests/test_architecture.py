@@ -6,7 +6,8 @@
 * no module assigns another object's attributes of the Compressor (``compressor.x = ...`` outside compressor.py);
 * no function of the core (step, collectives, exchanges, transforms, monitor, compressor, adapters, optim) is longer
   than 60 lines; ``step.py`` stays at most 300 lines;
-* codec capabilities are declared on the codec, not probed with ``hasattr``/``getattr``.
+* codec capabilities are declared on the codec, not probed with ``hasattr``/``getattr``;
+* spec text is read in one module, :mod:`gradcompress.spec` (issue 49), and its values stay small.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 #: the layers, lowest first: a module imports only modules of its own layer or below (a module's layer: the longest
 #: prefix listed). The root package (public names) sits above the library it re-exports, below the testbed and CLI.
 LAYERS = [
-    ["gradcompress.spec"],
+    ["gradcompress.units"],
+    ["gradcompress.spec", "gradcompress.spec_options"],
     ["gradcompress.codecs"],
     ["gradcompress.clocks", "gradcompress.collectives", "gradcompress.params", "gradcompress.topology",
      "gradcompress.scheme"],
@@ -251,23 +253,80 @@ def test_nothing_outside_state_and_compressor_writes_a_states_attributes():
     assert _writers({"state", "_state"}, {"state.py", "compressor.py"}) == []
 
 
+def _attributes_set(cls: ast.ClassDef) -> int:
+    """How many attributes a class sets: the distinct ``self.x`` assigned anywhere in its body, plus its annotated
+    class-level names (dataclass fields)."""
+    names = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             for t in ast.walk(target) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+             and t.value.id == "self"}
+    fields = [n for n in cls.body if isinstance(n, ast.AnnAssign)]  # dataclass fields
+    return len(names) + len(fields)
+
+
+def _classes_over(folder: pathlib.Path, limit: int = 12, pattern: str = "*.py") -> list[str]:
+    """``file:class (count)`` of every class in ``folder``'s modules (``pattern``: ``"**/*.py"`` for its subpackages
+    too) that sets more than ``limit`` attributes."""
+    return [f"{path.relative_to(folder)}:{cls.name} ({_attributes_set(cls)})" for path in sorted(folder.glob(pattern))
+            for cls in ast.walk(ast.parse(path.read_text())) if isinstance(cls, ast.ClassDef)
+            and _attributes_set(cls) > limit]
+
+
+def test_every_class_is_a_part_you_can_read():
+    """Every class of gradcompress sets at most 12 attributes (a run's configuration, ``cli.run_config.RunConfig``:
+    four small settings by what they configure)."""
+    assert _classes_over(ROOT, pattern="**/*.py") == []
+
+
 def test_the_autopilot_is_parts_you_can_read():
     """Every class of the autopilot sets at most 12 attributes; its package face is at most 60 lines; compressor.py
     names the autopilot on at most 3 lines."""
-    big = []
-    for path in sorted((ROOT / "autopilot").glob("*.py")):
-        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
-            names = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                     for t in ast.walk(target) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                     and t.value.id == "self"}
-            fields = [n for n in cls.body if isinstance(n, ast.AnnAssign)]  # dataclass fields
-            if len(names) + len(fields) > 12:
-                big.append(f"{path.name}:{cls.name} ({len(names) + len(fields)})")
-    assert big == []
+    assert _classes_over(ROOT / "autopilot") == []
     assert len((ROOT / "autopilot" / "__init__.py").read_text().splitlines()) <= 60
-    lines = [l for l in (ROOT / "compressor.py").read_text().splitlines() if "autopilot" in l.lower()]
+    lines = [line for line in (ROOT / "compressor.py").read_text().splitlines() if "autopilot" in line.lower()]
     assert len(lines) <= 3, lines
+
+
+def test_the_optimizers_are_parts_you_can_read():
+    """Every class of gradcompress.optim sets at most 12 attributes (DiLoCo: the outer step, the fragment schedule,
+    the exchange of outer gradients and the quorum are parts of their own); no module of it is over 600 lines."""
+    assert _classes_over(ROOT / "optim") == []
+    long = {p.name: n for p in (ROOT / "optim").glob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}
+
+
+#: modules over 600 lines when the cap below was written, each with its count then: at most that (they may only
+#: shrink; one split under 600 leaves the list)
+LONG_MODULES = {"spec.py": 678}
+
+
+def test_no_module_is_over_600_lines():
+    """No module of gradcompress is over 600 lines, but those of :data:`LONG_MODULES` (at most their count)."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert set(long) <= set(LONG_MODULES) and all(n <= LONG_MODULES[name] for name, n in long.items()), long
+
+
+def test_the_step_keeps_its_transaction_and_builds_its_context_whole():
+    """Every class of step.py, terms.py and the exchanges sets at most 12 attributes (the Step keeps its transaction;
+    what it saw and measured is kept by terms.Recorder); no module but exchanges/context.py assigns an attribute of a
+    step's context (``ctx.x = ...``, ``self.ctx.x = ...``: the Context is built complete in one call; what the
+    exchanges write into its dicts, ``ctx.owned[k] = ...``, is their work)."""
+    paths = [ROOT / "step.py", ROOT / "terms.py", *sorted((ROOT / "exchanges").glob("*.py"))]
+    big = [f"{path.name}:{cls.name} ({_attributes_set(cls)})" for path in paths
+           for cls in ast.walk(ast.parse(path.read_text())) if isinstance(cls, ast.ClassDef)
+           and _attributes_set(cls) > 12]
+    assert big == []
+    patched = []
+    for path in _core_files():  # the core's modules (an autograd Function's ctx elsewhere is another thing)
+        if path != ROOT / "exchanges" / "context.py":
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                named = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+                patched += [f"{path.relative_to(ROOT)}:{node.lineno}" for t in named if isinstance(t, ast.Attribute)
+                            and (isinstance(t.value, ast.Name) and t.value.id == "ctx"
+                                 or isinstance(t.value, ast.Attribute) and t.value.attr == "ctx")]
+    assert patched == []
 
 
 def test_optim_does_not_import_the_integrations(graph):
@@ -300,3 +359,125 @@ def test_torchft_is_reached_through_its_public_api():
             if name in TORCHFT_NAMES:
                 replaced.append(f"{rel}:{line} {name}.{attr}")
     assert private == [] and replaced == []
+
+
+# ---------------------------------------------------------------------------- one home for the spec (issue 49)
+SPEC_HOME = "spec.py"
+#: the spec grammar's tokenizer (:mod:`gradcompress.spec`): only its home calls these
+TOKENIZER = {"parse", "read", "_split_options", "_parse_value"}
+#: the texts other modules split at ``:`` (a spec's name ends there), each with what it is: none of them a spec
+NOT_SPECS = {
+    "optim/adam_slots.py": "a Compressor state key (position:piece)",
+    "cli/netbench.py": "--change STEP:RATE",
+    "autopilot/calibration.py": "the calibration file's header lines (key: value)",
+    "testbed/models.py": "a model name (family:size)",
+    "integrations/torchft/lighthouse.py": "the lighthouse's address (host:port)",
+}
+
+
+def _spec_readers() -> list[str]:
+    """Where a module other than the spec's home reads spec text: imports or calls the tokenizer, or splits a text
+    at ``:`` (outside :data:`NOT_SPECS`)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == SPEC_HOME:
+            continue
+        tree = ast.parse(path.read_text())
+        spec_names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      for a in node.names if a.name == "spec"} | {"spec"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "spec":
+                found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names if a.name in TOKENIZER]
+            elif isinstance(node, ast.Attribute) and node.attr in TOKENIZER and isinstance(node.value, ast.Name) \
+                    and node.value.id in spec_names:
+                found.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and rel not in NOT_SPECS \
+                    and node.func.attr in ("partition", "rpartition", "split", "rsplit") and node.args \
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == ":":
+                found.append(f"{rel}:{node.lineno} .{node.func.attr}(':')")
+    return found
+
+
+def test_spec_text_is_read_in_one_module():
+    """Only gradcompress.spec reads spec text (plain, ``auto:...``, ``...:diloco=``): it builds the one typed value
+    (:class:`gradcompress.spec.Scheme`) everything else reads; nobody else calls its tokenizer or splits a spec."""
+    assert _spec_readers() == []
+
+
+def test_the_specs_values_are_small():
+    """Every class of the spec's home and of config.py (``Scheme``, ``Auto``, ``Config``, ...) sets at most 12
+    attributes."""
+    big = [f"{name}:{cls.name} ({_attributes_set(cls)})" for name in (SPEC_HOME, "config.py")
+           for cls in ast.walk(ast.parse((ROOT / name).read_text()))
+           if isinstance(cls, ast.ClassDef) and _attributes_set(cls) > 12]
+    assert big == []
+
+
+# ---------------------------------------------------------------------------- names that explain themselves (issue 49)
+_COMMAND = "the CLI's command protocol: every command module of cli/ defines add_parser and run"
+#: public top-level function names defined in more than one module, each with the modules and why; a new duplicate,
+#: or a listed name defined in one more module, fails (a name renamed away leaves the list)
+SHARED_FUNCTIONS = {
+    "add_parser": ({"cli/bench.py", "cli/demo.py", "cli/netbench.py", "cli/plan.py", "cli/train.py"}, _COMMAND),
+    "run": ({"cli/bench.py", "cli/demo.py", "cli/netbench.py", "cli/plan.py", "cli/train.py", "testbed/launch.py"},
+            _COMMAND + "; testbed.launch.run runs a worker function on N processes"),
+    "main": ({"cli/__init__.py", "testbed/ftbench.py"}, "a command line's entry point (gradcompress, the ftbench script)"),
+    "pack": ({"codecs/fast.py", "codecs/packing.py"}, "the compiled kernel of codecs.packing's, the same contract"),
+    "unpack": ({"codecs/fast.py", "codecs/packing.py"}, "the compiled kernel of codecs.packing's, the same contract"),
+    "check_config": ({"integrations/torchtitan/__init__.py", "integrations/torchtitan/diloco.py",
+                      "integrations/torchtitan/ft.py"}, "torchtitan's config check: the package's calls its parts'"),
+    # known, to be renamed (their modules belonged to other work when this list was written)
+    "register": ({"adapters/ddp_hook.py", "spec.py"}, "to rename: a DDP hook's registration, a codec's"),
+    "check": ({"cli/schemes.py", "optim/diloco_shards.py", "optim/streaming.py", "topology.py"}, "to rename"),
+    "parse": ({"cli/schemes.py", "spec.py"}, "to rename"),
+    "make_model": ({"cli/task.py", "testbed/lm.py"}, "to rename"),
+    "summarize": ({"cli/task.py", "testbed/faults.py"}, "to rename"),
+    "enabled": ({"codecs/fast.py", "integrations/torchtitan/ft.py"}, "to rename"),
+    "available": ({"codecs/fast.py", "spec.py"}, "to rename"),
+    "build": ({"codecs/fast.py", "factory.py", "topology.py"}, "to rename (factory.build is public)"),
+    "prepare": ({"codecs/fast.py", "integrations/torchtitan/ft.py"}, "to rename"),
+    "packed_nbytes": ({"codecs/packing.py", "codecs/quantize.py"}, "to rename"),
+    "split": ({"exchanges/layout.py", "testbed/netbench_fsdp.py"}, "to rename"),
+    "describe": ({"integrations/torchtitan/__init__.py", "topology.py"}, "to rename"),
+    "resolve": ({"optim/diloco_shards.py", "topology.py"}, "to rename"),
+}
+
+
+def _public_definitions(root: pathlib.Path = ROOT) -> tuple[dict, dict]:
+    """(class name -> modules, function name -> modules): the public (no leading ``_``) top-level classes and
+    functions each module of ``root`` defines (re-exports and aliases are assignments, not definitions)."""
+    classes: dict[str, set[str]] = {}
+    functions: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            into = classes if isinstance(node, ast.ClassDef) else functions \
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            if into is not None and not node.name.startswith("_"):
+                into.setdefault(node.name, set()).add(str(path.relative_to(root)))
+    return classes, functions
+
+
+def _shared_names(root: pathlib.Path = ROOT) -> list[str]:
+    """Public class names defined in two modules, and public function names defined in two modules beyond
+    :data:`SHARED_FUNCTIONS`."""
+    classes, functions = _public_definitions(root)
+    found = [f"class {name}: {sorted(where)}" for name, where in classes.items() if len(where) > 1]
+    return found + [f"def {name}: {sorted(where)}" for name, where in functions.items()
+                    if len(where) > 1 and not where <= SHARED_FUNCTIONS.get(name, (set(), ""))[0]]
+
+
+def test_no_two_public_classes_or_functions_share_a_name():
+    """No two public classes of gradcompress share a name across modules (the autopilot's decision input is
+    ``policy.Situation``, the step's ``exchanges.context.Context``), and a public function name is defined in one
+    module (the cost model's ``predict`` and ``payload_bytes`` beside the autopilot's ``predicted_step_s`` and
+    ``level_bytes``; one table formatter, ``cli.common.table_lines``), but those of :data:`SHARED_FUNCTIONS`."""
+    assert _shared_names() == []
+
+
+def test_the_shared_function_list_is_current():
+    """Every name of :data:`SHARED_FUNCTIONS` is still defined in exactly its listed modules (renamed away: leave
+    the list; the list only shrinks)."""
+    _, functions = _public_definitions()
+    assert {name: sorted(functions.get(name, set()) ^ where) for name, (where, _) in SHARED_FUNCTIONS.items()
+            if functions.get(name, set()) != where} == {}

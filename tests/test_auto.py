@@ -1,5 +1,5 @@
 """``"auto"``: the autopilot (issue #29). Real gloo processes where ranks must agree; the decision itself (record,
-predict, choose) as pure functions."""
+predicted_step_s, choose) as pure functions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import auto_workers
 import gradcompress
-from gradcompress.autopilot.decide import Link, choose, fit_link, predict, record
+from gradcompress.autopilot.decide import Link, choose, fit_link, predicted_step_s, record
 from gradcompress.config import Config
 from gradcompress.step import Seen
 from gradcompress.testbed import launch
@@ -61,41 +61,46 @@ def test_record_counts_each_candidates_bytes_as_the_real_step_would():
 
 
 def test_choose_dense_on_a_fast_link_and_compresses_on_a_slow_one():
+    """The codec seconds are fixed (dense's 0, the others' 0.1 ms): the recorded ones vary with the machine's load,
+    and a loaded run's dense recording read slower than sign's (this test failed on a loaded machine)."""
     config = Config.parse("auto:budget=any", {})
     buckets = _buckets()
     options = record(config, 4, buckets, config.auto.candidates)
+    costs = [[0.0] + [1e-4] * (len(row) - 1) for row in options]
     sizes = [sum(torch.Size(s).numel() for s in b[1]) for b in buckets]
     fast = Link(payload_bandwidth(400e9), 1e-6)
-    choice, predicted, dense = choose(options, sizes, fast, 0.05, overlap=1.0)
+    choice, predicted, dense = choose(options, sizes, fast, 0.05, overlap=1.0, costs=costs)
     assert choice == [0, 0, 0] and predicted == dense
     slow = Link(payload_bandwidth(1e6), 1e-4)
-    choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=1.0)
+    choice, predicted, dense = choose(options, sizes, slow, 0.05, overlap=1.0, costs=costs)
     assert all(c != 0 for c in choice[:2]) and predicted < 0.5 * dense
 
 
 def test_fit_link_matches_the_measured_dense_step():
     """Dense steps slower than predicted: first less overlap with the backward pass, then a share of the probed
     bandwidth, each making the predicted dense step take the measured time; faster than predicted: a larger share
-    (the probe underrated the link), at most 1000x."""
+    (the probe underrated the link), at most 1000x. The codec seconds are fixed (the recorded ones vary with the
+    machine's load, which made this test fail on a loaded machine)."""
     config = Config.parse("auto", {})
     buckets = _buckets()
     options = record(config, 4, buckets, config.auto.candidates)
     sizes = [sum(torch.Size(s).numel() for s in b.shapes) for b in buckets]
     link = Link(payload_bandwidth(1e9), 1e-4)
+    costs = [[1e-4] * len(row) for row in options]  # fixed codec seconds: the recorded ones vary with the load
 
     def dense(o, share=1.0):
-        return predict([0, 0, 0], options, sizes, Link(share * link.bandwidth, 1e-4), 0.01, o)
+        return predicted_step_s([0, 0, 0], options, sizes, Link(share * link.bandwidth, 1e-4), 0.01, o, costs)
 
     full, serial = dense(1.0), dense(0.0)
     assert serial > full
-    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, (full + serial) / 2)
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, costs, (full + serial) / 2)
     assert 0 < overlap < 1 and share == 1.0 and abs(dense(overlap) / ((full + serial) / 2) - 1) < 1e-3
-    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, 2 * serial)
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, costs, 2 * serial)
     assert overlap == 0.0 and 0 < share < 1 and abs(dense(0.0, share) / (2 * serial) - 1) < 1e-3
-    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, None, 0.9 * full)  # faster than probed
+    overlap, share = fit_link(options, sizes, link, 0.01, 1.0, costs, 0.9 * full)  # faster than probed
     assert overlap == 1.0 and share > 1 and abs(dense(1.0, share) / (0.9 * full) - 1) < 1e-3
-    assert fit_link(options, sizes, link, 0.01, 1.0, None, 1e-6) == (1.0, 1e3)  # faster than any link explains
-    assert fit_link(options, sizes, link, 0.01, 1.0, None, 0.0) == (1.0, 1.0)
+    assert fit_link(options, sizes, link, 0.01, 1.0, costs, 1e-6) == (1.0, 1e3)  # faster than any link explains
+    assert fit_link(options, sizes, link, 0.01, 1.0, costs, 0.0) == (1.0, 1.0)
 
 
 def _pilot(spec: str = "auto", **options):
@@ -115,7 +120,7 @@ def _pilot(spec: str = "auto", **options):
 
 MIX = {0: "int4", 1: "int4", 2: "int4", 3: "int4", 4: "int8", 5: "int8"}
 UNIFORM = {k: "int4" for k in range(6)}
-NAMES = {"mix": "int4 x2 buckets, int8 x1 bucket", "uniform": "int4 x3 buckets", "dense": "dense x3 buckets"}
+NAMES = {"mix": "int4 x2, int8 x1", "uniform": "int4 x3", "dense": "dense x3"}
 
 
 def _select(pilot, times: dict, chosen: dict = MIX, uniform: dict = UNIFORM):
@@ -245,25 +250,25 @@ def test_calibration_cache_unreadable_is_measured_again(tmp_path, monkeypatch):
 def test_allocation_within_the_error_budget_and_never_more_bytes():
     """allocate=true's per-tensor levels: the total squared error never exceeds int4-everywhere's, the bytes never
     exceed it; a tensor whose gradient dominates the error gets int8, which pays for int2 on small ones."""
-    from gradcompress.autopilot.allocate import LEVELS, allocate, errors, payload_bytes
+    from gradcompress.autopilot.allocate import LEVELS, allocate, errors, level_bytes
 
     gen = torch.Generator().manual_seed(0)
-    for trial in range(20):
+    for _trial in range(20):
         sizes = [int(n) for n in torch.randint(1024, 20000, (6,), generator=gen)]
         scales = torch.rand(6, generator=gen).pow(4)
         sample = {k: torch.randn(n, generator=gen) * float(s) for k, (n, s) in enumerate(zip(sizes, scales))}
         err = torch.tensor(errors(sample, range(6))).view(6, len(LEVELS))
         assert (err[:, 0] < err[:, 1]).all() and (err[:, 1] < err[:, 2]).all()  # int8 < int4 < int2
-        nbytes = payload_bytes(sizes)
+        nbytes = level_bytes(sizes)
         pick = torch.tensor(allocate(err, nbytes))[:, None]
         assert float(err.double().gather(1, pick).sum()) <= float(err[:, 1].double().sum()) * (1 + 1e-12)
         assert float(nbytes.gather(1, pick).sum()) <= float(nbytes[:, 1].sum())
     sample = {0: torch.randn(4096, generator=gen), 1: 0.01 * torch.randn(8192, generator=gen),
               2: 0.1 * torch.randn(2048, generator=gen)}
     err = torch.tensor(errors(sample, [0, 1, 2])).view(3, len(LEVELS))
-    assert [LEVELS[c] for c in allocate(err, payload_bytes([4096, 8192, 2048]))] == ["int8", "int2", "int2"]
+    assert [LEVELS[c] for c in allocate(err, level_bytes([4096, 8192, 2048]))] == ["int8", "int2", "int2"]
     same = torch.tensor([[1.0, 300.0, 2000.0]] * 3)  # alike tensors: nothing to trade, int4 everywhere
-    assert allocate(same, payload_bytes([4096] * 3)) == [1, 1, 1]
+    assert allocate(same, level_bytes([4096] * 3)) == [1, 1, 1]
 
 
 def test_critical_regime_from_the_gradient_norm():
@@ -362,15 +367,15 @@ def test_a_probe_that_moved_under_a_steady_step_is_noise():
 
     pilot = _pilot()
     cands = pilot.options.candidates
-    ctx = pilot._context()
-    bandwidth = ctx.dense_bytes / 0.05  # a dense step's bytes take as long as the compute
-    ctx = dataclasses.replace(ctx, basis=Basis(0.05, bandwidth, 1e-4), fitted=(0.0, 1.0))
+    situation = pilot._situation()
+    bandwidth = situation.dense_bytes / 0.05  # a dense step's bytes take as long as the compute
+    situation = dataclasses.replace(situation, basis=Basis(0.05, bandwidth, 1e-4), fitted=(0.0, 1.0))
     check = Check(23, 0.05, 0.2, bandwidth / 3, 1e-4, tuple((0.0,) * len(cands) for _ in SHAPES))
-    assert review(check, ctx, False, steady=False).decide
-    assert not review(check, ctx, False, steady=True).decide
-    assert review(check, ctx, True, steady=True).decide
+    assert review(check, situation, False, steady=False).decide
+    assert not review(check, situation, False, steady=True).decide
+    assert review(check, situation, True, steady=True).decide
     same = dataclasses.replace(check, bandwidth=bandwidth)
-    assert not review(same, ctx, False, steady=False).decide
+    assert not review(same, situation, False, steady=False).decide
     prober = Prober()
     prober.measured(0.2, 0.05)
     assert prober.steady(0.22, 0.06) and prober.steady(0.17, 0.05)
@@ -390,7 +395,7 @@ def test_the_decision_keeps_within_the_budget(budget):
     pilot = _pilot(f"auto:budget={budget}")
     cands = pilot.options.candidates
     check = Check(3, 0.05, 0.0, payload_bandwidth(1e6), 1e-4, tuple((0.0,) * len(cands) for _ in SHAPES))
-    chosen = set(decide(check, pilot._context()).chosen.values())
+    chosen = set(decide(check, pilot._situation()).chosen.values())
     if budget == "safe":
         assert chosen == {"int4"}
     else:
@@ -403,7 +408,7 @@ def test_fast_link_is_dense_bit_for_bit():
     auto = launch.run(auto_workers.ddp_train, 4, "auto:bandwidth=100gbit", 8, timeout=240)
     dense = launch.run(auto_workers.ddp_train, 4, "none", 8, timeout=240)
     assert auto[0]["digest"] == dense[0]["digest"]
-    assert all(r["stats"]["auto"]["plan"] == {"none": 6} or r["stats"]["auto"]["plan"] == {} for r in auto)
+    assert all(r["stats"]["auto"]["plan"] == {"none": 2} for r in auto)  # buckets (DDP makes 2 here), dense
     assert auto[0]["stats"]["auto"]["decisions"] == 1 and auto[0]["stats"]["auto"]["probe_bytes"] > 0
     assert auto[0]["stats"]["wire_bytes"] == dense[0]["stats"]["wire_bytes"]
 
@@ -585,7 +590,7 @@ def test_gpu_check_script_runs_here():
         sections.update(json.loads(line))
     speeds = {k: v for k, v in sections["codec_throughput_GBps"].items() if k != "numel"}
     assert len(speeds) == 14 and all(isinstance(v, float) and v > 0 for v in speeds.values()), speeds
-    assert set(sections["auto_calibration"]["codec_ms"]) == set(gradcompress.config.autospec.BUDGETS["any"])
+    assert set(sections["auto_calibration"]["codec_ms"]) == set(gradcompress.spec.BUDGETS["any"])
     assert sections["replicas_equal_every_step"] is True
     assert [r["steps"] for r in sections["ddp_gloo_world2"]] == [6, 6]
     for clocks in sections["auto_clocks_gloo_world2"]:  # on the CPU the host's clock, next to the loop's own
@@ -632,18 +637,18 @@ def test_adam_weighs_each_tensors_error_by_its_mean_squared_gradient():
     tensor of small gradients is not starved: where the plain allocation sends int2 to the small-gradient tensors
     (``test_allocation_within_the_error_budget_and_never_more_bytes``), tensors alike but for their scale are
     alike under Adam's weighing (int4 everywhere); a zero gradient weighs nothing."""
-    from gradcompress.autopilot.allocate import LEVELS, allocate, energies, errors, payload_bytes, preconditioned
+    from gradcompress.autopilot.allocate import LEVELS, allocate, energies, errors, level_bytes, preconditioned
 
     gen = torch.Generator().manual_seed(1)
     sizes, keys = [4096, 8192, 2048], [0, 1, 2]
     sample = {k: torch.randn(n, generator=gen) * s for k, n, s in zip(keys, sizes, (1.0, 0.01, 0.1))}
     err = torch.tensor(errors(sample, keys)).view(3, len(LEVELS))
-    plain = allocate(err, payload_bytes(sizes))
+    plain = allocate(err, level_bytes(sizes))
     assert [LEVELS[c] for c in plain] == ["int8", "int2", "int2"]
     weighed = preconditioned(err, sizes, torch.tensor(energies(sample, keys), dtype=torch.float64))
     per_element = weighed / torch.tensor(sizes, dtype=torch.float64)[:, None]  # alike: scale no longer counts
     assert torch.allclose(per_element[1], per_element[0], rtol=0.1) and torch.allclose(per_element[2], per_element[0], rtol=0.1)
-    assert allocate(weighed, payload_bytes(sizes)) == [1, 1, 1]
+    assert allocate(weighed, level_bytes(sizes)) == [1, 1, 1]
     zero = preconditioned(err[:1], [4096], torch.zeros(1, dtype=torch.float64))
     assert (zero == 0).all()
     assert Config.parse("auto:allocate=adam", {}).auto.allocate == "adam"

@@ -226,6 +226,7 @@ def test_bench_in_step_json(capsys):
     for r in rows.values():
         assert r["step_seconds"] > 0 and r["vs_dense"] > 0
         assert r["held_x"] is None or r["held_x"] >= 0
+        assert r["host_syncs_per_step"] == 1  # the overflow check's one read (tests/test_host_syncs.py)
 
 
 def test_bench_versus_torch_hooks_json(capsys):

@@ -360,7 +360,7 @@ def low_rank(shape, rank, seed):
 def test_powersgd_exact_on_low_rank(rank, shape):
     codec = make(f"powersgd:rank={rank}")
     assert codec.matrix_shape(torch.Size(shape)) is not None  # really compressed, not sent dense
-    for true_rank in range(0, rank + 1):
+    for true_rank in range(rank + 1):
         for seed in range(3):
             m = low_rank(shape, true_rank, seed) if true_rank else torch.zeros(shape)
             p = codec.encode(m, seed=seed + 100)

@@ -210,7 +210,7 @@ def test_low_precision_parameters_keep_float32_momentum(one_thread):
         model = dw.make_model().to(dtype)
         opt = DeMo(model.parameters(), lr=1e-2, chunk=dw.CHUNK, topk=dw.PARTIAL)
         before = dw.flat(model)
-        for step in range(2):
+        for _step in range(2):
             opt.zero_grad()
             x = torch.randn(4, dw.IN, dtype=dtype)
             model(x).float().square().mean().backward()

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from gradcompress.testbed import chaos, netns  # noqa: E402
+from gradcompress.testbed import chaos, netns
 
 KILLS = 20
 NETNS_PROBLEM = netns.problem()

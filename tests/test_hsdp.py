@@ -224,3 +224,29 @@ def test_auto_decides_the_replica_all_reduce():
         pilot = a["stats"]["auto"]
         assert pilot["plan"].get("int4", 0) >= 2 and pilot["decided_at"] == 3 and pilot["grad_norm"] > 0
         assert a["stats"]["inter_node_bytes"] < 0.75 * d["stats"]["inter_node_bytes"]
+
+
+@pytest.fixture(scope="module")
+def native():
+    return launch.run(hw.native_runs, WORLD, ["none", "int8", "topk:ratio=0.05"], 3, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "topk:ratio=0.05"])
+def test_native_hsdp_is_compressed_as_the_node_layout(native, scheme):
+    """A model sharded over the 2-D mesh itself (torchtitan's HSDP) and registered with no mesh: the same
+    compressed exchange, step by step, as the layout sharded over mesh['shard'] with mesh= — the replicas'
+    all-reduce through the codec, FSDP's reduce-scatter over the shard group — and replicas of a shard equal."""
+    for r in native:
+        run = r[scheme]
+        for got, ref in zip(run["native"]["grads"], run["layout"]["grads"]):
+            assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, ref)), scheme
+        assert run["native"]["peers_equal"] and run["summed"]["peers_equal"]
+        assert run["native"]["stats"]["wire_bytes"] == run["layout"]["stats"]["wire_bytes"]
+
+
+def test_native_hsdp_with_a_divide_factor_sums_as_fsdp_would(native):
+    """torchtitan sets the gradient divide factor to 1.0 (it normalises the loss itself): FSDP's native HSDP then
+    sums over every rank; so does the compressed one (``none``: exactly W times FSDP's own mean)."""
+    for r in native:
+        for got, ref in zip(r["none"]["summed"]["grads"][0], r["reference"]):
+            assert torch.allclose(got, WORLD * ref, rtol=1e-5, atol=1e-6)

@@ -132,9 +132,10 @@ def test_one_optimizer_to_schedulers_zero_grad_and_checkpoints():
 
 def test_single_process_diloco_over_muon_with_int2():
     model = _toy()
-    opt = DiLoCo(model, muon(model, adamw_lr=1e-2), sync_every=2, codec="int2")
-    for s in range(4):
-        _step(model, opt, s)
+    with launch.one_process_group():
+        opt = DiLoCo(model, muon(model, adamw_lr=1e-2), sync_every=2, codec="int2")
+        for s in range(4):
+            _step(model, opt, s)
     assert opt.stats()["syncs"] == 2 and opt.compressor.residual  # int2 is biased: error feedback on
     assert all(torch.equal(p, a) for p, a in zip(opt.params, opt.anchor))
 

@@ -143,7 +143,8 @@ def test_plan_nodes_json(capsys):
 
 @pytest.mark.parametrize("argv, text", [
     (["plan", "--params", "1e6", "--bandwidth", "1gbit"], "--workers"),
-    (["plan", "--params", "1e6", "--workers", "4", "--nodes", "2", "--bandwidth", "1gbit"], "not both"),
+    (["plan", "--params", "1e6", "--workers", "4", "--nodes", "2", "--bandwidth", "1gbit"],
+     "--nodes: not allowed with argument --workers"),  # plan's usage shows (--workers N | --nodes N): argparse's words
     (["netbench", "--workers", "4", "--nodes", "2"], "not both"),
     (["netbench", "--workers-per-node", "4"], "goes with --nodes"),
     (["netbench", "--nodes", "4", "--workers-per-node", "8"], "at most 16"),
@@ -171,6 +172,16 @@ def _run_json(args: list[str], timeout: float) -> dict:
 
 
 @needs_netns
+def test_the_table_names_the_plan_auto_ended_with():
+    """A committed netbench run with an auto row (4 hosts at 1 Gbit/s): its table row reads ``auto \u2192 int4 x8``
+    as the demo's and train's do (issue 48), the fixed schemes' rows their spec alone."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "auto_mlp_1gbit.json")
+    with open(path) as f:
+        result = json.load(f)
+    rows = [line.split("  ")[0] for line in netbench.format_netbench(result).splitlines()]
+    assert "auto \u2192 int4 x8" in rows and "int4" in rows and "ddp" in rows, rows
+
+
 def test_netbench_two_hosts():
     result = _run_json(["--workers", "2", "--bandwidth", "100mbit", "--model", "tiny", "--steps", "5",
                         "--schemes", "none;int8"], timeout=120)
@@ -285,7 +296,7 @@ def test_netbench_fsdp_on_nodes_compressed_hsdp_and_parameters_below_dense():
     assert 0 < up["int4:params=int8"] < 0.35 * up["fsdp"]
     assert rows["int8:layout=hsdp"]["topology"] == rows["int4:params=int8"]["topology"] == "hierarchical"
     assert rows["int4:params=int8"]["param_bytes_per_step"] > 0 and rows["int8:layout=hsdp"]["param_bytes_per_step"] == 0
-    assert "x hsdp" in netbench.format_table(result)
+    assert "x hsdp" in netbench.format_netbench(result)
 
 
 def test_netbench_fsdp_scheme_options():

@@ -94,5 +94,5 @@ def test_bad_bits(bits):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_packed_nbytes(bits):
-    for n in range(0, 70):
+    for n in range(70):
         assert packed_nbytes(n, bits) == math.ceil(n * bits / 8)

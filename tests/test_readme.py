@@ -95,6 +95,12 @@ def test_snippet_runs(name, code, group_results):
     results, workdir = group_results[name]
     for r in results:
         assert "error" not in r, r["error"]
+    if results[0]["steps"] is None:  # a whole program on its own group: what it sent, if it synced
+        for r in results:
+            if r["stats"] and r["stats"].get("syncs"):
+                assert r["stats"]["wire_bytes"] > 0, r  # a sync between the workers, not one alone
+        return
+    for r in results:
         assert r["steps"][1] == r["steps"][0] + 1, results  # the snippet's compressor takes the next step
     if results[0]["grad_sum"] is not None:  # replicated model: every rank holds the same averaged gradient
         assert results[0]["grad_sum"] == results[1]["grad_sum"], results

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from gradcompress.cli import demo as demo_mod  # noqa: E402
-from gradcompress.cli.demo import DEFAULT_SCHEMES  # noqa: E402
-from gradcompress.cli.report import scheme_styles  # noqa: E402
+from gradcompress.cli import demo as demo_mod
+from gradcompress.cli.demo import DEFAULT_SCHEMES
+from gradcompress.cli.report import scheme_styles
 
 STEPS = 60
 

@@ -242,7 +242,7 @@ def test_split_compressor_options_reads_the_readme_strings():
     assert sc.split_compressor_options("topk:ratio=0.01,min_numel=40000")[1] == {"min_numel": 40000}
     assert sc.split_compressor_options("qsgd:levels=4,error_feedback=true")[1] == {"error_feedback": True}
     assert sc.split_compressor_options("int8:seed=3,monitor_every=100")[1] == {"seed": 3, "monitor_every": 100}
-    for removed in ("collective=allgather", "overlap=false"):  # options removed (docs/changes.md)
+    for removed in ("collective=allgather", "overlap=false"):  # options removed (docs/usage.md)
         with pytest.raises(ValueError, match=removed.split("=")[0]):
             sc.split_compressor_options(f"int8:{removed}")
     assert sc.split_compressor_options({"name": "topk", "ratio": 0.05, "momentum": 0.5}) == \

@@ -129,6 +129,11 @@ def test_bad_outer_arguments_are_refused(kwargs, match):
 
 
 def test_sparseloco_defaults_and_nesterov_unchanged():
+    with launch.one_process_group():
+        _sparseloco_defaults_and_nesterov_unchanged()
+
+
+def _sparseloco_defaults_and_nesterov_unchanged():
     model = torch.nn.Linear(64, 32)
     sl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, outer="sparseloco")
     assert sl.compressor.codec.spec == make(SPARSELOCO_CODEC).spec
@@ -159,6 +164,11 @@ def _single_process_run(**kwargs):
 
 
 def test_explicit_nesterov_is_the_default_bit_for_bit():
+    with launch.one_process_group():
+        _explicit_nesterov_is_the_default_bit_for_bit()
+
+
+def _explicit_nesterov_is_the_default_bit_for_bit():
     a, _ = _single_process_run()
     b, _ = _single_process_run(outer="nesterov", codec="none")
     assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -78,7 +79,7 @@ def test_codecs_are_immutable_and_comparable():
     assert c == make({"name": "int8", "bucket": 64})
     assert c != make("int8:bucket=65")
     assert hash(c) == hash(make("int8:bucket=64"))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.bucket = 3  # frozen
 
 

@@ -17,9 +17,26 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from gradcompress.integrations import torchft as gft  # noqa: E402
-from gradcompress.quorum import shared_state  # noqa: E402
-from gradcompress.testbed.faults import data, digest, make_manager, model, rendezvous, replica_main, wait_for  # noqa: E402,E501
+from gradcompress.integrations import torchft as gft
+from gradcompress.quorum import shared_state
+from gradcompress.testbed.faults import data, digest, make_manager, model, rendezvous, replica_main, wait_for
+
+
+def _announce_after_first_quorum(manager, directory: str, after: float) -> None:
+    """The survivors waiting for ``directory/rejoined`` go on ``after`` seconds after this replica asked for its
+    first quorum: its request reaches the lighthouse first (were the survivors, the previous quorum, to ask first,
+    the lighthouse would form their quorum at once without it, a "fast quorum", and the replacement's first exchange
+    would pair with their next one and fail). The lighthouse's ``join_ms`` must leave the survivors time to ask."""
+    start = manager.start_quorum
+
+    def start_then_announce(*args, **kwargs):
+        out = start(*args, **kwargs)
+        if not os.path.exists(os.path.join(directory, "rejoined")):
+            time.sleep(after)
+            open(os.path.join(directory, "rejoined"), "w").close()
+        return out
+
+    manager.start_quorum = start_then_announce
 
 
 def diloco_replica(cfg):
@@ -35,9 +52,12 @@ def diloco_replica(cfg):
                  fragments=cfg.get("fragments", 1), delay=cfg.get("delay", 0))
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"])
-    rendezvous(cfg, announce=False)  # a restarted replica announces itself just before its first sync
+    rendezvous(cfg, announce=False)  # a restarted replica announces itself just before its first sync, or with
+    after = cfg.get("announce_after_quorum")  # this, that many seconds after it asked for its first quorum
+    if cfg.get("restarted") and after is not None:
+        _announce_after_first_quorum(manager, cfg["dir"], after)
     while opt.inner_steps < cfg["steps"]:
-        if cfg.get("restarted") and opt.inner_steps + 1 == cfg["sync_every"]:  # its first sync comes next
+        if cfg.get("restarted") and after is None and opt.inner_steps + 1 == cfg["sync_every"]:  # first sync next
             open(os.path.join(cfg["dir"], "rejoined"), "w").close()
         if cfg.get("kill_at") == opt.inner_steps:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -57,6 +77,62 @@ def diloco_replica(cfg):
                                   "step": manager.current_step(), "loss": full, "pid": os.getpid()}) + "\n")
             log.flush()
     manager.shutdown(wait=False)
+
+
+class _Closed:
+    """A closed exchange step as a torchft quorum holds it until the Manager decides: ``finite`` (every rank was),
+    ``committed`` once decided."""
+
+    def __init__(self, finite: bool):
+        self.finite, self.committed = finite, None
+
+    def decide(self, agreed: bool) -> bool:
+        self.committed = bool(agreed) and self.finite
+        return self.committed
+
+
+class _NoCommit:
+    """A Manager whose ``should_commit`` refuses: a peer died in the exchange (what the survivors of
+    test_streaming_diloco_replica_killed_and_restarted_keeps_training see for the exchange the killed one was in)."""
+
+    def should_commit(self) -> bool:
+        return False
+
+
+def lost_exchange(rank, world, poisoned: bool = False):
+    """Streaming DiLoCo (H = 10, 2 fragments, delay 2) trained 7 inner steps, then fragment 1's exchange is decided
+    as torchft decides one a peer died in (finite, not committed), at its apply: returns (fragment 1's local
+    parameters kept, equal to its anchors, its anchors unchanged, fragment 0 untouched, ``skipped``).
+    ``poisoned``: an Inf in this replica's fragment 1 first (it must restart from its anchor then)."""
+    from gradcompress.optim import DiLoCo
+    from gradcompress.optim.streaming import InFlight, done
+
+    torch.manual_seed(0)
+    x, y = data()
+    net = model()
+    opt = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), sync_every=10, codec="int4", fragments=2, delay=2)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(7):
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+    one, zero = opt.parts[1], opt.parts[0]
+    if poisoned:
+        with torch.no_grad():
+            opt.params[one[0]].view(-1)[0] = float("inf")
+    local = [opt.params[i].detach().clone() for i in one]
+    others = [opt.params[i].detach().clone() for i in zero]
+    anchors = [opt.anchor[i].detach().clone() for i in one]
+    opt.quorum.manager = _NoCommit()
+    opt.exchange.flight[1] = InFlight(1, [torch.zeros_like(a) for a in anchors], 7, done(_Closed(True)))
+    applied = opt._apply(1)
+    kept = all(torch.equal(a, opt.params[i]) for a, i in zip(local, one))
+    restarted = all(torch.equal(opt.anchor[i], opt.params[i]) for i in one)
+    anchors_kept = all(torch.equal(a, opt.anchor[i]) for a, i in zip(anchors, one))
+    untouched = all(torch.equal(a, opt.params[i]) for a, i in zip(others, zero))
+    opt.close()
+    return applied, kept, restarted, anchors_kept, untouched, opt.skipped
 
 
 def group_replica(cfg):
@@ -120,6 +196,20 @@ def _kill_group(cfg) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def sharded_model() -> torch.nn.Module:
+    """The scenarios' model sharded by FSDP2 over this replica group's 2 processes (each Linear, then the root)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    net = model()
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
 def _join_group(cfg):
     """This process's replica group of 2 as the default process group (gloo; a TCPStore its group rank 0 serves,
     its port in the file ``store<replica>``): the store."""
@@ -143,20 +233,13 @@ def hsdp_replica(cfg):
     """One process of a replica group of 2 under compressed HSDP: the MLP sharded over the group's own 1-D mesh
     (FSDP's reduce-scatter inside the group), ``register_fsdp(..., manager=)`` between the groups; torchft heals a
     group rank from its peer's local shards. Logs each step: its shards' digest and the loss on the whole data."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torchft.optim import OptimizerWrapper
 
     import gradcompress
 
     g, store = cfg["group_rank"], _join_group(cfg)
-    mesh = init_device_mesh("cpu", (2,))
     x, y = data()
-    net = model()
-    for layer in net:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    net = sharded_model()
     sharded = list(net.parameters())  # FSDP's DTensors (the module holds unsharded ones during forward/backward)
 
     def shards():
@@ -169,6 +252,7 @@ def hsdp_replica(cfg):
 
     manager, _ = make_manager(cfg, (load, lambda: {"shards": [t.detach().clone() for t in shards()]}),
                               group_rank=g, group_world=2, store_port=store.port)
+    mesh = sharded[0].device_mesh  # the group's own 1-D mesh, as a user passes it
     comp = gradcompress.register_fsdp(net, cfg["spec"], mesh=mesh, manager=manager)
     optimizer = OptimizerWrapper(manager, torch.optim.SGD(sharded, lr=0.1))
     log = open(cfg["log"], "a")

@@ -13,6 +13,7 @@ between).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ class HostClock:
 
     asynchronous = False
 
-    def __init__(self, now=time.perf_counter):
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.now = now
 
     def mark(self) -> float:
@@ -38,20 +39,20 @@ class EventClock:
 
     asynchronous = True
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device | str | int) -> None:
         self.device = torch.device(device)
 
-    def mark(self):
+    def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def seconds(self, a, b) -> float:
+    def seconds(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
         b.synchronize()
         return a.elapsed_time(b) / 1e3
 
 
-def for_device(device) -> HostClock | EventClock:
+def for_device(device: torch.device | str | int | None) -> HostClock | EventClock:
     """The clock that sees the work on ``device``: CUDA events on a GPU, the host's clock elsewhere."""
     device = torch.device(device or "cpu")
     return EventClock(device) if device.type == "cuda" else HostClock()

@@ -16,6 +16,10 @@ bandwidth-optimal ring algorithms, for W ranks and a local buffer of B bytes:
 * reduce-scatter: (W-1)/W B (the first half of the ring all-reduce);
 * W = 1: nothing.
 
+The reference a user compares with (:func:`ddp_bytes`, :func:`x_fewer_than_ddp`, ``stats()["x_fewer_than_ddp"]``):
+DDP's ring all-reduce of the same gradients, 2 (W-1)/W of their bytes per rank, so a dense exchange reads 1.0x
+for any W.
+
 :class:`LocalCollectives` stands in for a group without communication (a single process, or ``plan``'s
 calibration of a W-rank step's own work).
 """
@@ -23,16 +27,46 @@ calibration of a W-rank step's own work).
 from __future__ import annotations
 
 import time
-from typing import Generator, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Generator, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from .clocks import EventClock, HostClock
+    from .codecs.base import Payload
+    from .topology import Topology
+
 Job = Generator[list, None, None]
 
 
+class Handle(Protocol):
+    """A collective's work handle: ``wait()`` returns once it has completed (torch's ``Work``, :class:`Done`)."""
+
+    def wait(self) -> object: ...
+
+
+# --------------------------------------------------------------------- the reference: DDP's all-reduce
+def ddp_bytes(raw_bytes: float, world: int) -> float:
+    """What one rank of DDP transmits to all-reduce ``raw_bytes`` of gradients over ``world`` ranks (ring-counted:
+    2 (W-1)/W of them; nothing for W = 1)."""
+    return 2 * (world - 1) / world * raw_bytes if world > 1 else 0.0
+
+
+def x_fewer_than_ddp(raw_bytes: float, wire_bytes: float, world: int) -> float:
+    """How many times fewer bytes than DDP one rank transmitted: :func:`ddp_bytes` of the gradients exchanged
+    (``raw_bytes``, their own size) / the bytes it sent (``wire_bytes``, ring-counted alike). A dense all-reduce
+    reads 1.0 for any ``world``; nothing sent and nothing to send (W = 1, or no step yet): 1.0; nothing sent where
+    DDP would have sent: ``inf``."""
+    reference = ddp_bytes(raw_bytes, world)
+    if wire_bytes:
+        return reference / wire_bytes
+    return float("inf") if reference else 1.0
+
+
 # --------------------------------------------------------------------- serialisation
-def to_bytes(tensors: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+def to_bytes(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
     """Concatenate tensors as one flat uint8 buffer (their raw bytes); empty on ``device`` if none."""
     if not tensors:
         return torch.empty(0, dtype=torch.uint8, device=device)
@@ -60,7 +94,7 @@ def from_bytes(buf: torch.Tensor, spec: Sequence[tuple[torch.dtype, torch.Size]]
     return tuple(out)
 
 
-def floats(payloads: Iterable) -> torch.Tensor | None:
+def floats(payloads: Iterable[Payload]) -> torch.Tensor | None:
     """The floating-point tensors of ``payloads`` (scales, norms, kept values) as one flat tensor, or None.
 
     For codecs that preserve non-finite values (``Codec.preserves_nonfinite``) a payload decodes to
@@ -80,10 +114,10 @@ class Collectives:
     autopilot's meter sets its own, :mod:`gradcompress.clocks`), :meth:`wait` keeps its marks before and after each
     wait (:meth:`take_waits`): on a GPU, CUDA events on the stream that waits."""
 
-    clock = None
-    _waits: tuple = ()
+    clock: HostClock | EventClock | None = None
+    _waits: tuple[tuple[object, object], ...] = ()
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -91,7 +125,7 @@ class Collectives:
         self.monitor_bytes = 0
         self.comm_seconds = 0.0
 
-    def all_reduce(self, t: torch.Tensor, monitor: bool = False):
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False) -> Handle:
         """``monitor=True``: telemetry's exact average, counted in ``monitor_bytes``, not ``wire_bytes``."""
         self.count_all_reduce(t, monitor)
         return dist.all_reduce(t, group=self.group, async_op=True)
@@ -104,38 +138,38 @@ class Collectives:
         else:
             self.wire_bytes += sent
 
-    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], Handle]:
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
         outs = [torch.empty_like(t) for _ in range(self.world)]
         return outs, dist.all_gather(outs, t, group=self.group, async_op=True)
 
-    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         """Every rank's ``t`` back to back in one tensor (rank i's at block i)."""
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
         out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return out, gather(out, t.reshape(-1), group=self.group, async_op=True)
 
-    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         """Equal splits: rank i receives block i of the sum over ranks of ``t`` (summed in ``t``'s dtype)."""
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
         out = torch.empty(t.numel() // self.world, dtype=t.dtype, device=t.device)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return out, scatter(out, t.reshape(-1), group=self.group, async_op=True)
 
-    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         """Equal splits: block j of ``t`` goes to rank j; block i of the result came from rank i."""
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
         out = torch.empty_like(t)
         return out, dist.all_to_all_single(out, t, group=self.group, async_op=True)
 
-    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> tuple[torch.Tensor, Handle]:
         """Uneven all-to-all: ``in_splits[j]`` elements of ``t`` go to rank j, ``out_splits[i]`` come from rank i."""
         self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
         out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
         return out, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
 
-    def wait(self, works: list) -> None:
+    def wait(self, works: Iterable[Handle]) -> None:
         clock, start = self.clock, time.perf_counter()
         mark = clock.mark() if clock is not None else None
         for w in works:
@@ -144,12 +178,12 @@ class Collectives:
         if clock is not None:
             self._waits = self._waits + ((mark, clock.mark()),)
 
-    def take_waits(self) -> tuple:
+    def take_waits(self) -> tuple[tuple[object, object], ...]:
         """The (before, after) marks of the waits since the last call, in :attr:`clock`'s terms."""
         taken, self._waits = self._waits, ()
         return taken
 
-    def check_same(self, text: str, who: str, extra=None) -> list:
+    def check_same(self, text: str, who: str, extra: object = None) -> list:
         """Raise on every rank unless every rank passes the same ``text`` (a configuration); returns every rank's
         ``extra`` (a small picklable value, e.g. its node), in rank order, gathered in the same round."""
         pairs: list = [None] * self.world
@@ -177,36 +211,36 @@ class LocalCollectives(Collectives):
     ``topology``: None here (a :class:`RecordingCollectives` may carry a node layout to record).
     """
 
-    topology = None
+    topology: Topology | None = None
 
-    def __init__(self, world: int = 1):  # noqa: D107 - no process group, deliberately not Collectives.__init__
+    def __init__(self, world: int = 1) -> None:  # no process group: deliberately not Collectives.__init__
         self.group, self.world, self.rank, self.wire_bytes, self.comm_seconds = None, world, 0, 0, 0.0
         self.monitor_bytes = 0
 
-    def all_reduce(self, t, monitor: bool = False):
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False) -> Handle:
         if self.world != 1:
             t.mul_(self.world)
         return Done()
 
-    def all_gather(self, t):
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], Handle]:
         return [t.clone() for _ in range(self.world)], Done()
 
-    def all_gather_flat(self, t):
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         return t.reshape(-1).repeat(self.world), Done()
 
-    def all_to_all(self, t):
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         return t.clone(), Done()
 
-    def reduce_scatter(self, t):
+    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         return t.reshape(self.world, -1)[0] * self.world, Done()
 
-    def all_to_all_v(self, t, in_splits, out_splits):
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> tuple[torch.Tensor, Handle]:
         return t.clone(), Done()
 
-    def wait(self, works) -> None:
+    def wait(self, works: Iterable[Handle]) -> None:
         pass
 
-    def check_same(self, text: str, who: str, extra=None) -> list:
+    def check_same(self, text: str, who: str, extra: object = None) -> list:
         return [extra] * self.world
 
 
@@ -233,7 +267,7 @@ class Running:
     :meth:`advance` waits for them and runs the job to its next round. ``timer``: a :class:`Stopwatch` that
     receives the time spent in the job's own code (encode, decode, state updates)."""
 
-    def __init__(self, job: Job, timer=None):
+    def __init__(self, job: Job, timer: Stopwatch | None = None) -> None:
         self.job, self.timer = job, timer
         self.works: list | None = None
         self._resume()
@@ -248,7 +282,7 @@ class Running:
         if self.timer is not None:
             self.timer.add(time.perf_counter() - start)
 
-    def advance(self, comm: "Collectives") -> None:
+    def advance(self, comm: Collectives) -> None:
         if self.works is None:
             return
         comm.wait(self.works)
@@ -264,7 +298,7 @@ def finish(running: list[Running], comm: Collectives) -> None:
         pending = [r for r in pending if r.works is not None]
 
 
-def drive(jobs: list[Job], comm: Collectives, timer=None) -> None:
+def drive(jobs: list[Job], comm: Collectives, timer: Stopwatch | None = None) -> None:
     """Run jobs to completion: each issues its first round, in the order given, then :func:`finish`."""
     finish([Running(job, timer) for job in jobs], comm)
 
@@ -314,14 +348,15 @@ class RecordingCollectives(LocalCollectives):
     Compressor stepping on this runs its hierarchical exchange on them.
     """
 
-    def __init__(self, world: int = 1, rank: int = 0, *, link: str = "world", topology=None, into=None):
+    def __init__(self, world: int = 1, rank: int = 0, *, link: str = "world", topology: Topology | None = None,
+                 into: RecordingCollectives | None = None) -> None:
         super().__init__(world)
         self.rank, self.link, self.topology = rank, link, topology
         self.root = self if into is None else into  # whose rounds this one records into
         self.rounds: list[tuple[Issued, ...]] = []
         self.issued: list[Issued] = []
 
-    def sub(self, world: int, rank: int, link: str) -> "RecordingCollectives":
+    def sub(self, world: int, rank: int, link: str) -> RecordingCollectives:
         """The collectives of a sub-group of ``world`` ranks (this rank is ``rank`` there), recording into these."""
         return RecordingCollectives(world, rank, link=link, into=self.root)
 
@@ -340,7 +375,7 @@ class RecordingCollectives(LocalCollectives):
         self.wire_bytes += sent
         self.root.issued.append(Issued(kind, t.numel() * t.element_size(), sent, self.world, self.link))
 
-    def all_reduce(self, t, monitor: bool = False):
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False) -> Handle:
         sent = 2 * (self.world - 1) * t.numel() * t.element_size() // self.world
         if monitor:  # telemetry's exact average: not wire bytes, not recorded
             self.monitor_bytes += sent
@@ -348,36 +383,36 @@ class RecordingCollectives(LocalCollectives):
             self._count("all_reduce", t, sent)
         return super().all_reduce(t)
 
-    def all_gather(self, t):
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], Handle]:
         self._count("all_gather", t, (self.world - 1) * t.numel() * t.element_size())
         return super().all_gather(t)
 
-    def all_gather_flat(self, t):
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         self._count("all_gather", t, (self.world - 1) * t.numel() * t.element_size())
         return super().all_gather_flat(t)
 
-    def reduce_scatter(self, t):
+    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         self._count("reduce_scatter", t, (self.world - 1) * t.numel() * t.element_size() // self.world)
         return t.reshape(self.world, -1)[self.rank] * self.world, Done()
 
-    def all_to_all(self, t):
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         self._count("all_to_all", t, (self.world - 1) * t.numel() * t.element_size() // self.world)
         mine = t.reshape(self.world, -1)[self.rank]
         return mine.repeat(self.world).view(t.shape), Done()
 
-    def all_to_all_v(self, t, in_splits, out_splits):
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> tuple[torch.Tensor, Handle]:
         self._count("all_to_all_v", t, (sum(in_splits) - in_splits[self.rank]) * t.element_size())
         start = sum(in_splits[: self.rank])
         return t[start : start + in_splits[self.rank]].repeat(self.world), Done()
 
-    def wait(self, works) -> None:
+    def wait(self, works: Iterable[Handle]) -> None:
         """The driver waits for a round: it is complete (recorded even without collectives: a padded round)."""
         root = self.root
         root.rounds.append(tuple(root.issued))
         root.issued = []
 
 
-__all__ = ["Collectives", "Done", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running", "Stopwatch",
-           "drive",
-           "finish", "floats", "from_bytes", "layout", "nbytes", "one_job", "parallel", "to_bytes"]
+__all__ = ["Collectives", "Done", "Handle", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running",
+           "Stopwatch", "ddp_bytes", "drive",
+           "finish", "floats", "from_bytes", "layout", "nbytes", "one_job", "parallel", "to_bytes", "x_fewer_than_ddp"]
 

@@ -13,23 +13,23 @@ the codec and schedule, ``"auto"``'s measured plan, or a quorum's); every adapte
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, Literal, cast
 
 import torch
 
 from .autopilot import coordinator_for
 from .collectives import Collectives, LocalCollectives
-from .config import DEFAULTS, Config
+from .config import DEFAULTS, READABLE, UNSET, Config, Spec, TopologyOption, Unset
 from .exchanges.hierarchical import Hierarchy
 from .monitor import Telemetry
 from .params import check_same_parameters
 from .schedule import Plan
 from .session import Session
-from .state import FSDP_KEY_PREFIX, State
+from .state import FSDP_KEY_PREFIX, Slot, State
 from .step import Step
 from .terms import Coordinator
 
-_UNSET = object()  # an option not given as a keyword
 _OLD_COLLECTIVE = " collective=auto"  # saved with a ``collective`` option that no longer exists: read without it
 
 
@@ -51,11 +51,15 @@ class Compressor:
             :func:`gradcompress.quorum.under`: a torchft Manager's quorum).
     """
 
-    def __init__(self, spec, *, process_group=None, error_feedback=_UNSET, server_error_feedback=_UNSET,
-                 momentum=_UNSET, warmup_steps=_UNSET, min_numel=_UNSET, seed=_UNSET, schedule=_UNSET,
-                 ramp_steps=_UNSET, residual_dtype=_UNSET, monitor_every=_UNSET, topology=_UNSET, intra_node=_UNSET,
-                 divisor: Callable[[], int] | None = None, slots: dict | None = None, coordinator=None):
-        given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not _UNSET}
+    def __init__(self, spec: Spec, *, process_group: torch.distributed.ProcessGroup | None = None,
+                 error_feedback: bool | Literal["auto"] | Unset = UNSET, server_error_feedback: bool | Unset = UNSET,
+                 momentum: float | Unset = UNSET, warmup_steps: int | Unset = UNSET, min_numel: int | Unset = UNSET,
+                 seed: int | Unset = UNSET, schedule: str | None | Unset = UNSET, ramp_steps: int | Unset = UNSET,
+                 residual_dtype: torch.dtype | Unset = UNSET, monitor_every: int | Unset = UNSET,
+                 topology: TopologyOption | Unset = UNSET, intra_node: str | Unset = UNSET,
+                 divisor: Callable[[], int] | None = None, slots: Mapping[str, Slot] | None = None,
+                 coordinator: Callable[[Compressor], Coordinator] | None = None) -> None:
+        given = {k: v for k, v in locals().items() if k in DEFAULTS and v is not UNSET}
         self.options = Config.parse(spec, given)
         self.__name__ = self.__qualname__ = f"gradcompress.Compressor({self.options.name})"  # DDP logs hook names
         self.session = Session(self.options, process_group, divisor)
@@ -63,23 +67,23 @@ class Compressor:
         self.coordinator: Coordinator = (coordinator or coordinator_for)(self)
         self.telemetry = Telemetry(self.options.error_feedback)
         #: per-key scratch buffers reused every step (the error-fed input), not part of the state
-        self.workspace: dict = {}
+        self.workspace: dict[tuple[str, Hashable], torch.Tensor] = {}
         self._step: Step | None = None
-        self._pending: dict = {}  # a loaded state's world and topology, until compared with the group's
+        self._pending: dict[str, object] = {}  # a loaded state's world and topology, until compared with the group's
         if self.options.uses_fast_kernels:  # compile the kernels now, not inside the first step (CPU machines)
             from .codecs import fast
             fast.prepare()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:  # Any: each option has its own type (Config's attributes)
         """The options, read-only: ``compressor.codec``, ``compressor.error_feedback``, ``compressor.momentum``..."""
         options = self.__dict__.get("options")
-        if options is not None and name in Config.__dataclass_fields__:
+        if options is not None and name in READABLE:
             return getattr(options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ views
     @property
-    def process_group(self):
+    def process_group(self) -> torch.distributed.ProcessGroup | None:
         """The group this compressor averages over (None: the world, or not yet bound by an adapter)."""
         return self.session.group
 
@@ -88,17 +92,17 @@ class Compressor:
         return self.session.hierarchy
 
     @property
-    def residual(self) -> dict:
+    def residual(self) -> Slot:
         """Worker-side error-feedback residuals, by key."""
         return self.state.slots["residual"]
 
     @property
-    def server_residual(self) -> dict:
+    def server_residual(self) -> Slot:
         """Chunk owners' residuals of the two-step reduce, by key (this rank's chunk of each tensor)."""
         return self.state.slots["server_residual"]
 
     @property
-    def autopilot(self):
+    def autopilot(self) -> Coordinator | None:
         """``"auto"``'s coordinator (:class:`gradcompress.autopilot.Autopilot`), else None."""
         return self.coordinator if self.coordinator.name == "auto" else None
 
@@ -107,13 +111,13 @@ class Compressor:
         return self._step if self._step is not None and self._step.open else None
 
     # ------------------------------------------------------------------ the step protocol
-    def step(self, collectives: Collectives | None = None, **options) -> Step:
+    def step(self, collectives: Collectives | None = None, **options: Any) -> Step:  # options: begin_step's
         """:meth:`begin_step` for ``with compressor.step() as step:`` (commit on a clean exit, else rollback)."""
         return self.begin_step(collectives, **options)
 
     def begin_step(self, collectives: Collectives | None = None, *, plan: Plan | None = None,
                    should_commit: Callable[[], bool] | None = None, deferred: bool | None = None,
-                   silent: bool | None = None):
+                   silent: bool | None = None) -> Step:
         """Open a step on the group (or ``collectives``, e.g. ``LocalCollectives(1)``) on the coordinator's terms;
         the keywords set this step's (:class:`~gradcompress.terms.Terms`: ``plan``, an outside decision
         ``should_commit`` asked at its end, or ``deferred`` to ``Step.decide``; ``silent``: sends zeros)."""
@@ -125,18 +129,17 @@ class Compressor:
         self._reconcile_world(comm.world)
         if coordinator.checks_group:
             session.resolve()
-            session.check_topology(self._pending.pop("topology", None))
+            session.check_topology(cast("str | None", self._pending.pop("topology", None)))  # a checkpoint's text
         given = dict(plan=plan, should_commit=should_commit, deferred=deferred, silent=silent)
         terms = coordinator.override(coordinator.open(comm, self.state.step),
                                      {k: v for k, v in given.items() if v is not None})
         if terms.new_group:  # the chunk owners of the two-step reduce changed: their residuals restart
             self.state.forget(["server_residual"], list(self.state.slots["server_residual"]))
         self.state.step = terms.index
-        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, terms,
-                          coordinator.closed)
+        self._step = Step(self.options, session, self.state, self.telemetry, self.workspace, terms, coordinator.closed)
         return self._step
 
-    def bind(self, group) -> "Compressor":
+    def bind(self, group: torch.distributed.ProcessGroup | None) -> Compressor:
         """Average over ``group`` (an adapter's: the DDP model's, FSDP's); ``ValueError`` if another was given."""
         self.session.bind(group)
         return self
@@ -179,18 +182,16 @@ class Compressor:
         return step.committed if step.committed is not None else bool(step.finite)
 
     # ------------------------------------------------------------------ reporting and checkpoints
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters of this Compressor object since it was built (not part of ``state_dict()``).
 
-        ``steps``: synchronising steps; ``skipped``: those not committed (a non-finite gradient on some rank, or
-        the outside decision said no); ``raw_bytes``: the gradients' own size summed over steps; ``wire_bytes``:
-        bytes this rank transmitted through collectives, ring-counted (:mod:`gradcompress.collectives`);
-        ``ratio``: raw / wire; ``codec_seconds``: time in encode/decode and state updates; ``comm_seconds``: time
-        waiting on collectives; ``inter_node_bytes`` / ``intra_node_bytes``: the part of ``wire_bytes`` sent
-        between nodes / inside a node; ``topology``: ``nodes``, ``workers_per_node`` (None while not known) and
-        ``kind``; ``param_bytes``: bytes of FSDP's compressed parameter all-gathers, apart from ``wire_bytes``;
-        ``monitor_bytes`` and ``monitor``: telemetry's (``monitor_every``) and ``"auto"``'s measuring; ``auto``
-        (``"auto"`` only): its decision and measurements.
+        ``steps``, ``skipped`` (not committed: a non-finite gradient somewhere, or the outside decision said no);
+        ``raw_bytes`` (the gradients' size, summed); ``wire_bytes`` (sent by this rank, ring-counted:
+        :mod:`gradcompress.collectives`); ``ratio`` (raw / wire); ``ddp_bytes`` (what DDP's ring all-reduce of the
+        same gradients sends from this rank: 2 (W-1)/W x raw; for FSDP the whole gradient's all-reduce);
+        ``x_fewer_than_ddp`` (ddp / wire, the one ratio the CLI prints: dense 1.0 for any W); ``codec_seconds``,
+        ``comm_seconds``; ``inter_node_bytes`` / ``intra_node_bytes``; ``topology``; ``param_bytes`` (FSDP's
+        compressed parameter all-gathers, apart); ``monitor_bytes`` and ``monitor``; ``auto`` (its decision).
         """
         coordinator = self.coordinator
         coordinator.settle()
@@ -201,7 +202,7 @@ class Compressor:
         """Add bytes sent by compressed parameter all-gathers (FSDP's ``params=``) to ``stats()["param_bytes"]``."""
         self.state.totals["param_bytes"] += int(sent)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Tensors and plain values only (``torch.load(..., weights_only=True)`` reads it).
 
         ``world``: the size of the group the state was made in; :meth:`load_state_dict` compares it with the group
@@ -209,12 +210,12 @@ class Compressor:
         under another topology is an error. Reads nothing from the group (safe from any thread)."""
         session, coordinator = self.session, self.coordinator
         coordinator.settle()
-        extra = {"topology": session.topology_text()} if session.hierarchy is not None else {}
+        extra: dict[str, object] = {"topology": session.topology_text()} if session.hierarchy is not None else {}
         extra.update({coordinator.name: coordinator.state_dict()} if coordinator.name else {})
         world = self._pending.get("world") or session.world()
         return {"config": self.config(), "world": world, **extra, **self.state.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`. Saved with another world size, what stays valid is kept (PowerSGD's
         ``q``/``p``, ``momentum``, the step count), the per-rank residuals restart at zero with a ``UserWarning``;
         decided when the group is known (now if this compressor has stepped, else at its first step). A state
@@ -225,17 +226,16 @@ class Compressor:
                              f"this compressor is {self.config()!r}")
         world = state.get("world")
         self.state.load_state_dict(state, world)
-        coordinator = self.coordinator
-        if coordinator.name:
-            coordinator.load_state_dict(state.get(coordinator.name, {}))
+        if self.coordinator.name:
+            self.coordinator.load_state_dict(state.get(self.coordinator.name, {}))
         self._pending.update(world=world, topology=state.get("topology", "flat"))
         if self.session.comm is not None:
             self._reconcile_world(self.session.comm.world)
         if self.session.resolved:
-            self.session.check_topology(self._pending.pop("topology", None))
+            self.session.check_topology(cast("str | None", self._pending.pop("topology", None)))
 
     def _reconcile_world(self, world: int) -> None:  # a loaded state's world size meets the group's
-        saved = self._pending.pop("world", None)
+        saved = cast("int | None", self._pending.pop("world", None))  # checked by State.load_state_dict
         if saved is not None and self.state.resize(saved, world):
             self.workspace.clear()
 

@@ -1,82 +1,67 @@
-"""``Config``: what a spec string and the Compressor's keywords become, parsed and validated once, frozen.
+"""``Config``: what a spec string and the Compressor's keywords become, resolved and validated once, frozen.
 
-One grammar (:func:`gradcompress.scheme.split_compressor_options`): a spec string or dict may carry Compressor options
-by name (``"topk:ratio=0.01,momentum=0.9"``); the same option given there and as a keyword is a ``ValueError``.
-:meth:`Config.text` is the one line every rank compares and every checkpoint records.
+The spec is read by :func:`gradcompress.spec.parse_compressor` (the one grammar: a spec string or dict may carry
+Compressor options by name, ``"topk:ratio=0.01,momentum=0.9"``; the same option given there and as a keyword is a
+``ValueError``) into a :class:`~gradcompress.spec.Scheme`; this module takes that value, fills in the defaults and
+checks every option's value. :meth:`Config.text` is the one line every rank compares and every checkpoint records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from . import autospec
 from . import topology as topology_mod
 from .codecs.base import Codec
 from .schedule import SCHEDULES
-from .spec import make, read
+from .spec import Auto, Scheme, is_auto, parse_compressor
 from .transforms import Clip, ErrorFeedback, MomentumCorrection, Transforms
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the Compressor's options and their defaults (each may also be given in the spec string, by name)
 DEFAULTS = dict(error_feedback="auto", server_error_feedback=False, momentum=0.0, warmup_steps=0, min_numel=1024,
                 seed=0, schedule=None, ramp_steps=0, residual_dtype=torch.float32, monitor_every=0, topology="auto",
                 intra_node="none")
+#: what ``compressor.NAME`` reads from its Config (:class:`gradcompress.Compressor`): the options, the codec, auto's
+READABLE = frozenset(DEFAULTS) | {"codec", "auto"}
 
 
-def _check_int(name: str, value, lo: int) -> int:
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "unset"
+
+
+#: the default of the Compressor's option keywords: the option was not given as a keyword
+UNSET = Unset.UNSET
+#: what ``Compressor(spec)`` takes: a spec string, a dict of one, or a codec
+Spec: TypeAlias = "str | dict[str, Any] | Codec"
+#: what the ``topology`` option takes (:func:`gradcompress.topology.check`): ``"auto"``, ``"flat"``, workers per
+#: node, a 2-D DeviceMesh or a :class:`~gradcompress.topology.Topology`
+TopologyOption: TypeAlias = "str | int | topology_mod.Topology | DeviceMesh"
+
+
+def _check_int(name: str, value: Any, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"Compressor: {name} must be an integer >= {lo}, got {value!r}")
     return value
 
 
-def _check_bool(name: str, value, auto: bool = False):
+def _check_bool(name: str, value: Any, auto: bool = False) -> Any:
     if isinstance(value, bool) or (auto and value == "auto"):
         return value
     allowed = "True, False or 'auto'" if auto else "True or False"
     raise ValueError(f"Compressor: {name} must be {allowed}, got {value!r}")
 
 
-def _auto_options(spec, given: dict) -> tuple[autospec.Auto, dict]:
-    """``"auto:bandwidth=...,warmup_steps=..."``: the autopilot's options and the Compressor's."""
-    from .scheme import COMPRESSOR_OPTIONS, compressor_value, merge_compressor_options, unknown_option_message
-
-    opts = read(spec)
-    opts.pop("name")
-    own = {k: opts.pop(k) for k in list(opts) if k in autospec.OPTIONS}
-    unknown = [k for k in opts if k not in COMPRESSOR_OPTIONS]
-    if unknown:
-        raise ValueError(unknown_option_message("auto", unknown[0], list(autospec.OPTIONS), COMPRESSOR_OPTIONS))
-    from_spec = {k: compressor_value(k, v) for k, v in opts.items()}
-    o = {**DEFAULTS, **merge_compressor_options(from_spec, given, spec=spec)}
-    if o["error_feedback"] == "auto":  # every lossy candidate is biased; the 16-bit cast's residual is harmless
-        o["error_feedback"] = True
-    return autospec.parse(own), o
-
-
-def is_auto(spec) -> bool:
-    """Whether ``spec`` is the autopilot's (``"auto"``, ``"auto:..."`` or ``{"name": "auto", ...}``)."""
-    if isinstance(spec, str):
-        return spec.strip().partition(":")[0].strip() == "auto"
-    return isinstance(spec, dict) and spec.get("name") == "auto"
-
-
-def _options(spec, given: dict):
-    """(codec spec, every option): options carried by a spec string or dict are merged with the keywords. A codec
-    object is taken as it is."""
-    if isinstance(spec, (str, dict)):
-        from .scheme import merge_compressor_options, split_compressor_options
-
-        codec_spec, from_spec = split_compressor_options(spec)
-        if from_spec:
-            given = merge_compressor_options(from_spec, given, spec=spec)
-            spec = codec_spec
-    return spec, {**DEFAULTS, **given}
-
-
-def _validate(o: dict) -> None:
+def _validate(o: dict[str, Any]) -> None:
     """``ValueError`` naming the option and what is allowed, for a bad value."""
     if o["schedule"] not in SCHEDULES:
         raise ValueError(f"Compressor: schedule must be None or 'exp', got {o['schedule']!r}")
@@ -91,6 +76,14 @@ def _validate(o: dict) -> None:
                          f"{', '.join(str(d) for d in RESIDUAL_DTYPES)}, got {o['residual_dtype']!r}")
     for name, lo in (("warmup_steps", 0), ("min_numel", 0), ("seed", 0), ("ramp_steps", 0), ("monitor_every", 0)):
         _check_int(name, o[name], lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """``topology`` (which workers share a node) and ``intra_node`` (what travels inside one), as given."""
+
+    topology: object = "auto"
+    intra_node: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +133,9 @@ class Config:
             own), ``"bf16"`` or ``"fp16"`` (16 bits on the wire and in the sum, as BytePS does).
     """
 
-    codec: Codec
+    #: what the spec named, read by :func:`gradcompress.spec.parse_compressor`: the codec (``codec``) and, for
+    #: ``"auto"``, the autopilot's options (``auto``: the plan is then its decision, ``codec`` is ``none``, dense)
+    scheme: Scheme
     error_feedback: bool
     server_error_feedback: bool
     momentum: float
@@ -151,35 +146,51 @@ class Config:
     ramp_steps: int
     residual_dtype: torch.dtype
     monitor_every: int
-    topology: object
-    intra_node: str
-    #: the autopilot's options (``"auto"``): the plan is then its decision, ``codec`` is ``none`` (dense)
-    auto: autospec.Auto | None = None
+    placement: Placement  # ``topology`` and ``intra_node``, checked together
 
     @classmethod
-    def parse(cls, spec, given: dict) -> "Config":
+    def parse(cls, spec: Any, given: dict[str, Any]) -> Config:
         """The configuration of ``Compressor(spec, **given)``; ``ValueError`` for a bad value."""
-        auto = None
-        if is_auto(spec):
-            auto, o = _auto_options(spec, given)
-            spec = "none"
-        else:
-            spec, o = _options(spec, given)
-        o["auto"] = auto
-        codec = make(spec)
+        scheme = parse_compressor(spec, given)
+        o = {**DEFAULTS, **dict(scheme.options)}
+        if scheme.auto is not None and o["error_feedback"] == "auto":
+            o["error_feedback"] = True  # every lossy candidate is biased; the 16-bit cast's residual is harmless
+        codec = scheme.codec
         _validate(o)
         if o["error_feedback"] is True and codec.unbiased:
             warnings.warn(f"gradcompress: error feedback with the unbiased codec {codec.name!r} accumulates "
                           "its variance and can diverge; leave error_feedback='auto' (off for it)", stacklevel=3)
         feedback = codec.wants_error_feedback if o["error_feedback"] == "auto" else o["error_feedback"]
-        o.update(codec=codec, error_feedback=feedback, momentum=float(o["momentum"]))
-        config = cls(**o)
+        placement = Placement(o.pop("topology"), o.pop("intra_node"))
+        o.update(error_feedback=feedback, momentum=float(o["momentum"]))
+        config = cls(scheme=scheme, placement=placement, **o)
         config.momentum_stage()  # a conflicting momentum is refused now
         return config
 
+    @property
+    def codec(self) -> Codec:
+        """The codec made from the spec (``none`` for ``"auto"``)."""
+        codec: Codec = self.scheme.codec
+        return codec
+
+    @property
+    def auto(self) -> Auto | None:
+        """The autopilot's options (``"auto"``), else None."""
+        return self.scheme.auto
+
+    @property
+    def topology(self) -> object:
+        """Which workers share a node (:mod:`gradcompress.topology`)."""
+        return self.placement.topology
+
+    @property
+    def intra_node(self) -> str:
+        """The dtype of the hierarchical exchange's traffic inside a node."""
+        return self.placement.intra_node
+
     def momentum_stage(self) -> tuple[MomentumCorrection | None, float]:
         """Momentum correction and clipping from ``momentum`` or the codec's own options (DGC)."""
-        codec = self.codec
+        codec: Any = self.codec  # Any: codecs that carry momentum (DGC) have momentum, masking and clip options
         if codec.carries_momentum:
             if self.momentum and self.momentum != codec.momentum:
                 raise ValueError(f"Compressor: momentum={self.momentum} conflicts with {codec.name}'s own "
@@ -188,7 +199,7 @@ class Config:
             return stage, codec.clip
         return (MomentumCorrection(self.momentum) if self.momentum > 0 else None), 0.0
 
-    def transforms(self, ctx, world: int) -> Transforms:
+    def transforms(self, ctx: Any, world: int) -> Transforms:
         """The chain of one step (clip -> momentum correction -> worker error feedback, and the server's)."""
         momentum, clip = self.momentum_stage()
         dtype = self.residual_dtype
@@ -215,4 +226,5 @@ class Config:
                 f"residual_dtype={str(self.residual_dtype).replace('torch.', '')}")
 
 
-__all__ = ["Config", "DEFAULTS", "RESIDUAL_DTYPES", "is_auto"]
+__all__ = ["Config", "DEFAULTS", "Placement", "READABLE", "RESIDUAL_DTYPES", "Spec", "TopologyOption", "UNSET", "Unset",
+           "is_auto"]

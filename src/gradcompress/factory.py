@@ -24,7 +24,8 @@ The process group must be initialised. Library level: imports nothing from :mod:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from .adapters.ddp import register_ddp_hook
 from .adapters.fsdp import register_fsdp
 from .compressor import Compressor
 from .optim import CompressedAdam, DeMo, DiLoCo, muon
-from .scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme
+from .scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme, diloco_options
 
 #: Compressor options that do not apply under FSDP (``register_fsdp`` compresses each group's buffer whole and keeps
 #: no telemetry); a runner's options may carry them for DDP
@@ -96,21 +97,10 @@ def _exchanging(scheme: Scheme, model: nn.Module, run: Run):
     return model, kind(model.parameters(), **run.exchanging), None
 
 
-def diloco_options(scheme: Scheme, error_feedback: Any = "auto") -> dict:
-    """DiLoCo's ``codec``, ``outer``, ``outer_lr``, streaming options and ``error_feedback`` for a scheme: ``outer=sparseloco`` with an
-    exact codec (``none:diloco=50,outer=sparseloco``) takes SparseLoCo's own codec (and its own error feedback)."""
-    outer = scheme.outer or "nesterov"
-    lr = {} if scheme.outer_lr is None else {"outer_lr": scheme.outer_lr}
-    lr.update(scheme.stream)  # streaming DiLoCo: fragments, delay, mix
-    if outer == "sparseloco":
-        return {"codec": None if scheme.codec.exact else scheme.codec, "outer": outer, **lr}
-    return {"codec": scheme.codec, "outer": outer, "error_feedback": error_feedback, **lr}
-
-
 def _diloco(scheme: Scheme, model: nn.Module, run: Run):
     """DiLoCo: H local steps of ``run.optimizer`` on the bare model, the outer gradient through the codec."""
     inner = (run.muon or muon)(model) if scheme.inner == "muon" else run.optimizer(model.parameters())
-    opt = DiLoCo(model, inner, sync_every=scheme.diloco, seed=run.options.get("seed", 0),
+    opt = DiLoCo(model, inner, sync_every=cast(int, scheme.diloco), seed=run.options.get("seed", 0),
                  **diloco_options(scheme, run.options.get("error_feedback", "auto")))
     return model, opt, opt.compressor
 
@@ -165,11 +155,13 @@ def _ddp(scheme: Scheme | None, model: nn.Module, run: Run):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         first = max(POWERSGD_FIRST_STEP, run.options.get("warmup_steps", 0))
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=scheme.rank,
+        rank = cast(Scheme, scheme).rank  # a scheme: its kind is not "ddp"
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=first)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif kind in ("ours", AUTO):
-        compressor = register_ddp_hook(ddp, scheme.text if kind == AUTO else scheme.codec, **run.options)
+        ours = cast(Scheme, scheme)  # a scheme: its kind is not "ddp"
+        compressor = register_ddp_hook(ddp, ours.text if kind == AUTO else ours.codec, **run.options)
     return ddp, run.optimizer(model.parameters()), compressor
 
 

@@ -10,33 +10,43 @@ overall and per parameter key, and a short history.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
 import torch
 
-from .collectives import Job
+from .collectives import Collectives, Job
 
 #: monitored steps kept in ``stats()["monitor"]["history"]``
 MONITOR_HISTORY = 50
 
 
+class Written(Protocol):
+    """What a monitor reads of its step's context: the new state written so far, by (slot, key)."""
+
+    @property
+    def new(self) -> dict[tuple[str, Hashable], torch.Tensor]: ...
+
+
 class StepMonitor:
     """The telemetry of one monitored step."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx: Written) -> None:
         self.ctx = ctx
         self.refs: dict = {}  # key -> what would have been averaged dense
         self.rows: dict = {}  # key -> 0-d tensors (err^2, ref^2, dot, out^2, residual^2)
 
-    def reference(self, key, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def reference(self, key: Hashable, x: torch.Tensor, grad: torch.Tensor) -> None:
         """Keep ``x`` (a copy where it is the gradient's own storage, which the result overwrites)."""
         self.refs[key] = x if x.data_ptr() != grad.data_ptr() else x.clone()
 
-    def exact_mean(self, comm, flat: torch.Tensor, divisor: int) -> Job:
+    def exact_mean(self, comm: Collectives, flat: torch.Tensor, divisor: int) -> Job:
         """The exact average of ``flat`` (its sum over the group divided by ``divisor``), as a job (counted in
         ``monitor_bytes``)."""
         yield [comm.all_reduce(flat, monitor=True)]
         flat.div_(divisor)
 
-    def record(self, keys, exact: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    def record(self, keys: Sequence[Hashable], exact: torch.Tensor, outs: list[torch.Tensor]) -> None:
         """Per key: squared error, squared norms and dot product of the delivered against the exact average."""
         offset = 0
         for k, out in zip(keys, outs):
@@ -48,7 +58,7 @@ class StepMonitor:
                 (got - ref).square().sum(), ref.square().sum(), (got * ref).sum(), got.square().sum(),
                 residual.float().square().sum() if residual is not None else torch.zeros((), device=got.device)])
 
-    def record_dense(self, key, g: torch.Tensor) -> None:
+    def record_dense(self, key: Hashable, g: torch.Tensor) -> None:
         """A tensor that travelled dense is exact: it counts with no error."""
         n2 = g.float().square().sum()
         self.rows[key] = torch.stack([torch.zeros_like(n2), n2, n2, n2, torch.zeros_like(n2)])
@@ -57,12 +67,12 @@ class StepMonitor:
 class Telemetry:
     """``stats()["monitor"]`` of a Compressor: the last committed monitored step and a short history."""
 
-    def __init__(self, error_feedback: bool):
+    def __init__(self, error_feedback: bool) -> None:
         self.error_feedback = error_feedback
         self.last: dict | None = None
         self.history: list[tuple[int, float, float]] = []
 
-    def _summary(self, err2, ref2, dot, out2, res2) -> dict:
+    def _summary(self, err2: float, ref2: float, dot: float, out2: float, res2: float) -> dict:
         return {"relative_error": (err2 / ref2) ** 0.5 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")),
                 "cosine": dot / (ref2 * out2) ** 0.5 if ref2 > 0 and out2 > 0 else (1.0 if err2 == 0 else 0.0),
                 "residual_norm": res2 ** 0.5 if self.error_feedback else None}

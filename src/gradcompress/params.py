@@ -16,7 +16,7 @@ Below the Compressor: :meth:`gradcompress.Compressor.synchronize` uses this modu
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,37 @@ def _tensors_of(model_or_params) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def broadcast_parameters(model_or_params, src: int = 0, process_group=None) -> None:
+def broadcast_parameters(model_or_params: torch.nn.Module | Iterable[torch.Tensor], src: int = 0,
+                         process_group: dist.ProcessGroup | None = None) -> None:
     """Copy rank ``src``'s parameters (and buffers, for an ``nn.Module``) to every rank of ``process_group``.
 
-    ``src`` is a rank of ``process_group`` (the default: the world). Call it on every rank after building the
-    model and before the first step (as Horovod's ``broadcast_parameters``); a collective, every rank must call
-    it with the same model structure.
+    Call it on every rank after building the model and before the first step of a custom loop
+    (``Compressor.synchronize``; Horovod's ``broadcast_parameters``); ``DistributedDataParallel`` does it itself
+    when it wraps the model. A collective: every rank calls it with the same model structure. What is sent: each
+    tensor whole, in its own dtype (``dist.broadcast``, uncompressed, exact; not counted in ``wire_bytes``).
+
+    Args:
+        model_or_params: an ``nn.Module`` (its parameters, then its buffers; a ``DistributedDataParallel`` model:
+            its ``module``'s) or an iterable of tensors (``model.parameters()``), in the same order on every rank.
+        src: the rank whose values every rank receives, a rank of ``process_group`` (0 to its size - 1;
+            default 0).
+        process_group: the group to broadcast over (default None: the world).
+
+    Returns:
+        None; the tensors are overwritten in place on every rank but ``src``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError: a single tensor, or an iterable with something that is not a tensor.
+        ValueError: ``src`` is not a rank of the group.
+
+    Example::
+
+        >>> import torch, torch.distributed as dist, gradcompress
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(4, 2)
+        >>> gradcompress.broadcast_parameters(model)   # rank 0's weights on every rank
+        >>> dist.destroy_process_group()
     """
     _require_initialised("broadcast_parameters")
     tensors = _tensors_of(model_or_params)
@@ -86,13 +111,14 @@ def _close(a: float, b: float, scale: float) -> bool:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Two ranks' checksums agree: the same count, sums within tolerance of their magnitudes."""
-    a, b = a.tolist(), b.tolist()
-    magnitude, squares = max(abs(a[3]), abs(b[3])), max(abs(a[2]), abs(b[2]))
-    return a[0] == b[0] and _close(a[1], b[1], magnitude) and _close(a[2], b[2], squares) \
-        and _close(a[3], b[3], magnitude)
+    x: list[float] = a.tolist()
+    y: list[float] = b.tolist()
+    magnitude, squares = max(abs(x[3]), abs(y[3])), max(abs(x[2]), abs(y[2]))
+    return x[0] == y[0] and _close(x[1], y[1], magnitude) and _close(x[2], y[2], squares) \
+        and _close(x[3], y[3], magnitude)
 
 
-def check_same_parameters(params: Iterable[torch.Tensor], process_group=None) -> None:
+def check_same_parameters(params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None) -> None:
     """Raise ``RuntimeError`` on every rank when the ranks' ``params`` differ (a checksum, one all-gather).
 
     Every rank gathers every rank's checksum, so every rank reaches the same verdict.

@@ -33,31 +33,63 @@ import os
 import threading
 import weakref
 import zlib
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
 
-from .collectives import Collectives, Done
-from .terms import Coordinator, Terms
+from .collectives import Collectives, Done, Handle
+from .terms import Closed, Coordinator, Terms
 from .schedule import plan_at
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+    from .config import Config
+    from .state import State
+    from .step import Step
 
 #: the key under which a Compressor's shared state travels in torchft's state transfer (first Compressor)
 STATE_KEY = "gradcompress"
-_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> state keys registered on it
+#: manager -> the state keys registered on it
+_KEYS: weakref.WeakKeyDictionary[Manager, list[str]] = weakref.WeakKeyDictionary()
 #: errors of our own code, raised whatever the group did (everything else a collective raises is the group's fault)
 PROGRAMMING_ERRORS = (AttributeError, NameError, TypeError, ImportError)
 
 
-def managed_group(manager):
+class Phases(Protocol):
+    """What decides a quorum's phase (:func:`under`'s ``schedule``; DiLoCo's count of inner steps)."""
+
+    def position(self) -> int: ...
+
+    def agree(self, position: int) -> None: ...
+
+
+class Coordinated(Protocol):
+    """What a quorum reads of the :class:`gradcompress.Compressor` it coordinates (typed by its shape: the
+    compressor's module imports this one)."""
+
+    options: Config
+    state: State
+    coordinator: Coordinator
+    workspace: dict[tuple[str, Hashable], torch.Tensor]
+
+    def config(self) -> str: ...
+
+
+def managed_group(manager: Manager) -> dist.ProcessGroup:
     """The process group the Manager was given, as torchft's public ``ManagedProcessGroup`` holds it."""
     from torchft.process_group import ManagedProcessGroup
 
-    return ManagedProcessGroup(manager).parent
+    parent: dist.ProcessGroup = ManagedProcessGroup(manager).parent
+    return parent
 
 
-def under(manager, *, group=None, state_key: str | None = None, process_group=None, phase: int = 0,
-          schedule=None):
+def under(manager: Manager, *, group: dist.ProcessGroup | None = None, state_key: str | None = None,
+          process_group: dist.ProcessGroup | None = None, phase: int = 0,
+          schedule: Phases | None = None) -> Callable[[Coordinated], Quorum]:
     """The coordinator factory of a Compressor under ``manager`` (``Compressor(spec, coordinator=under(m))``):
     ``group``: the replica group's own process group, for replica groups of several processes (see
     :meth:`Quorum.mine`); ``state_key``: the name of its shared state in torchft's transfer (default
@@ -68,7 +100,7 @@ def under(manager, *, group=None, state_key: str | None = None, process_group=No
     count of inner steps): at every step each member is told the position of the quorum's first participating
     member, so a replica that joined or missed a quorum takes up its peers' schedule."""
 
-    def make(compressor):
+    def make(compressor: Coordinated) -> Quorum:
         if compressor.options.auto is not None:
             raise ValueError("gradcompress under torchft: 'auto' is not supported (the autopilot measures a fixed "
                              "group; a quorum changes): name a codec, e.g. 'int8'")
@@ -80,7 +112,7 @@ def under(manager, *, group=None, state_key: str | None = None, process_group=No
     return make
 
 
-def shared_state(compressor) -> dict:
+def shared_state(compressor: Coordinated) -> dict[str, Any]:
     """What a replica that rejoins receives from a peer: the compressor's state without this rank's own residuals
     (``State.shared_state_dict``), its held steps decided first. Reads nothing from the group, waits on nothing
     (torchft calls it from its quorum thread)."""
@@ -88,7 +120,7 @@ def shared_state(compressor) -> dict:
     return {"config": compressor.config(), **compressor.state.shared_state_dict()}
 
 
-def load_shared(compressor, state: dict) -> None:
+def load_shared(compressor: Coordinated, state: dict[str, Any]) -> None:
     """Take a peer's :func:`shared_state` (torchft heals this replica); its residuals restart at zero."""
     if state.get("config") != compressor.config():
         raise ValueError(f"gradcompress under torchft: the peer's compressor is {state.get('config')!r}, this "
@@ -98,12 +130,45 @@ def load_shared(compressor, state: dict) -> None:
 
 
 class QuorumCollectives(Collectives):
-    """Collectives on the quorum's process group ``pg`` (torchft's wrapper, reconfigured at each quorum; rank and
-    size from :meth:`Quorum.collectives`). After a failure every later collective of the step is skipped (returns at
-    once) and every output of the step's collectives reads zeros (never what a half-finished collective left: a
-    codec must not decode garbage): the Manager already knows the step is lost."""
+    """gradcompress's collectives on a torchft Manager's quorum: an error is reported to the Manager, not raised.
 
-    def __init__(self, manager, pg):  # noqa: D107 - no torch.distributed group: deliberately not Collectives.__init__
+    Every collective a compressed step issues (all-reduce, all-gather, all-to-all) runs on ``pg``, the process group
+    the Manager was given (torchft's wrapper: its timeouts, abort and reconfiguration at each quorum apply; rank and
+    size are set by :meth:`Quorum.collectives` at the start of each step). What is sent is the codec's payloads,
+    counted in ``wire_bytes`` as for any :class:`gradcompress.Compressor`; the mean divides by the live participants,
+    so a replica that died is left out, not averaged in as zeros. An error of the group (a peer killed mid-exchange:
+    "Connection closed by peer", or the group's timeout) goes to ``manager.report_error`` instead of being raised:
+    every later collective of the step is skipped (returns at once) and every output of the step's collectives reads
+    zeros (never what a half-finished collective left: a codec must not decode garbage); the step runs to its end,
+    ``Manager.should_commit()`` says no, and torchft discards it, as its own ``Manager.allreduce`` does (`torchft
+    <https://github.com/pytorch/torchft>`_). A programming error (``AttributeError``, ``TypeError``, ...) is
+    raised, never swallowed. :func:`gradcompress.integrations.torchft.managed_compressor` and
+    ``DistributedDataParallel`` build it; FSDP's reduce-scatter is not supported (``NotImplementedError``).
+
+    Args:
+        manager: the torchft ``Manager`` whose quorum the collectives run on; its ``report_error`` receives errors.
+        pg: the process group given to the Manager (torchft's reconfigurable group, e.g. ``ProcessGroupGloo``).
+
+    Example::
+
+        >>> import torch
+        >>> from gradcompress.integrations.torchft import ManagedCollectives
+        >>> class Manager:                        # stands for torchft's Manager: what the collectives call of it
+        ...     def report_error(self, error):
+        ...         print("reported to the Manager:", error)
+        >>> class PeerKilled:                     # stands for a process group whose peer died mid-step
+        ...     def allreduce(self, tensors, options):
+        ...         raise RuntimeError("Connection closed by peer")
+        >>> collectives = ManagedCollectives(Manager(), PeerKilled())
+        >>> t = torch.ones(4)
+        >>> collectives.wait([collectives.all_reduce(t)])   # not raised: the step is lost, torchft discards it
+        reported to the Manager: Connection closed by peer
+        >>> t, collectives.failed                 # the output reads zeros; later collectives of the step are skipped
+        (tensor([0., 0., 0., 0.]), True)
+    """
+
+    # no torch.distributed group: deliberately not Collectives.__init__
+    def __init__(self, manager: Manager, pg: dist.ProcessGroup) -> None:
         self.manager, self.pg, self.group = manager, pg, None
         self.world, self.rank = 1, 0
         self.wire_bytes, self.monitor_bytes, self.comm_seconds = 0, 0, 0.0
@@ -117,50 +182,51 @@ class QuorumCollectives(Collectives):
             self.manager.report_error(error)
         return Done()
 
-    def _issue(self, start, outputs: list):
-        work = Done()
+    def _issue(self, start: Callable[[], Handle], outputs: list[torch.Tensor]) -> _Fenced:
+        work: Handle = Done()
         if not self.failed:
             try:
                 work = start()
-            except Exception as error:  # noqa: BLE001 - any failure of the group loses the step, torchft decides
+            except Exception as error:  # any failure of the group loses the step, torchft decides
                 self.fail(error)
         return _Fenced(self, work, outputs)
 
-    def all_reduce(self, t: torch.Tensor, monitor: bool = False):
+    def all_reduce(self, t: torch.Tensor, monitor: bool = False) -> Handle:
         self.count_all_reduce(t, monitor)
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs: SUM is a RedOpType, accepted here
         return self._issue(lambda: self.pg.allreduce([t], opts), [t])
 
-    def all_gather(self, t: torch.Tensor):
+    def all_gather(self, t: torch.Tensor) -> tuple[list[torch.Tensor], Handle]:
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size()
         outs = [torch.empty_like(t) for _ in range(self.world)]
         return outs, self._issue(lambda: self.pg.allgather([outs], [t], AllgatherOptions()), outs)
 
-    def all_gather_flat(self, t: torch.Tensor):
+    def all_gather_flat(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         outs, work = self.all_gather(t.reshape(-1))
         flat = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         return flat, _Then(work, lambda: torch.cat(outs, out=flat))
 
-    def all_to_all(self, t: torch.Tensor):
+    def all_to_all(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         self.wire_bytes += (self.world - 1) * t.numel() * t.element_size() // self.world
         out = torch.empty_like(t)
         return out, self._issue(lambda: self.pg.alltoall_base(out, t, [], [], AllToAllOptions()), [out])
 
-    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+    def all_to_all_v(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]
+                     ) -> tuple[torch.Tensor, Handle]:
         self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * t.element_size()
         out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
         return out, self._issue(lambda: self.pg.alltoall_base(out, t, out_splits, in_splits,
                                                               AllToAllOptions()), [out])
 
-    def reduce_scatter(self, t: torch.Tensor):
+    def reduce_scatter(self, t: torch.Tensor) -> tuple[torch.Tensor, Handle]:
         raise NotImplementedError("gradcompress under torchft: FSDP's reduce-scatter is not supported (torchft's "
                                   "gloo group has none); use DistributedDataParallel or synchronize")
 
-    def check_same(self, text: str, who: str, extra=None) -> list:
+    def check_same(self, text: str, who: str, extra: object = None) -> list[object]:
         return [extra] * self.world  # the quorum compares the replicas' configurations at every step
 
-    def members(self, mine: torch.Tensor) -> list | None:
+    def members(self, mine: torch.Tensor) -> list[torch.Tensor] | None:
         """Every replica's ``mine`` (an all-gather not counted in ``wire_bytes``), or None if the group failed."""
         outs = [torch.empty_like(mine) for _ in range(self.world)]
         self.wait([self._issue(lambda: self.pg.allgather([outs], [mine], AllgatherOptions()), outs)])
@@ -171,14 +237,14 @@ class _Fenced:
     """A collective's work handle whose outputs read zeros once the step's group has failed (the wait's error is
     reported through ``comm``, not raised)."""
 
-    def __init__(self, comm: QuorumCollectives, work, outputs: list):
+    def __init__(self, comm: QuorumCollectives, work: Handle, outputs: list[torch.Tensor]) -> None:
         self.comm, self.work, self.outputs = comm, work, outputs
 
     def wait(self) -> bool:
         if not self.comm.failed:
             try:
                 self.work.wait()
-            except Exception as error:  # noqa: BLE001 - the group's fault: reported, the step lost
+            except Exception as error:  # the group's fault: reported, the step lost
                 self.comm.fail(error)
         if self.comm.failed:
             for t in self.outputs:
@@ -189,7 +255,7 @@ class _Fenced:
 class _Then:
     """A work handle that runs ``then`` once its work has completed."""
 
-    def __init__(self, work, then):
+    def __init__(self, work: Handle, then: Callable[[], object]) -> None:
         self.work, self.then = work, then
 
     def wait(self) -> bool:
@@ -203,15 +269,16 @@ class Quorum(Coordinator):
 
     checks_group = False  # each membership is checked at every step; torchft's init_sync makes replicas start alike
 
-    def __init__(self, compressor, manager, group=None, state_key: str | None = None, process_group=None,
-                 phase: int = 0, schedule=None):
+    def __init__(self, compressor: Coordinated, manager: Manager, group: dist.ProcessGroup | None = None,
+                 state_key: str | None = None, process_group: dist.ProcessGroup | None = None, phase: int = 0,
+                 schedule: Phases | None = None) -> None:
         self.manager, self.config, self.group, self.phase = manager, compressor.options, group, int(phase)
         self.schedule = schedule
         self.comm = QuorumCollectives(manager, process_group if process_group is not None else managed_group(manager))
         self.token = int.from_bytes(os.urandom(7), "little")  # this replica process, among the quorum's members
-        self.members: tuple | None = None
+        self.members: tuple[int, ...] | None = None
         self.fresh = False  # the members changed at this step
-        self.held: list = []  # closed steps waiting for the Manager's decision
+        self.held: list[Step] = []  # closed steps waiting for the Manager's decision
         self.lock = threading.RLock()  # settle() decides steps, whose decide() tells closed()
         keys = _KEYS.setdefault(manager, [])
         self.state_key = state_key or (STATE_KEY if not keys else f"{STATE_KEY}.{len(keys)}")
@@ -251,18 +318,19 @@ class Quorum(Coordinator):
                                    f"(this one: {self.phase}); the step is discarded"))
         return comm
 
-    def open(self, comm, index: int) -> Terms:
+    def open(self, comm: Collectives, index: int) -> Terms:
         m = self.manager
         return Terms(plan_at(self.config, m.current_step()), m.current_step(), m.num_participants(),
                      silent=not m.is_participating(), deferred=True, new_group=self.fresh, fault=m.report_error)
 
-    def override(self, terms: Terms, given: dict) -> Terms:
+    def override(self, terms: Terms, given: dict[str, Any]) -> Terms:
         if "should_commit" in given or given.get("deferred") is False:
             raise ValueError("gradcompress under torchft: the Manager decides the commit (should_commit); "
                              "begin_step takes no should_commit or deferred=False here")
         return super().override(terms, {k: v for k, v in given.items() if k != "deferred"})
 
-    def closed(self, step) -> None:
+    def closed(self, step: Closed) -> None:
+        step = cast("Step", step)  # a Compressor's coordinator hears of its own steps (gradcompress.step.Step)
         with self.lock:
             if step.committed is None and step.finite is not None and step not in self.held:
                 self.held.append(step)
@@ -284,7 +352,7 @@ class Quorum(Coordinator):
             self.held = still
 
     # ---------------------------------------------------------------- replica groups of several processes
-    def mine(self, entries: list) -> list:
+    def mine(self, entries: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
         """The (position, gradient) entries this process exchanges: with ``group`` (a replica group of G processes
         that hold the same gradients, e.g. after DDP inside the group) rank g of the group takes positions
         g, g+G, g+2G... (exchanged with rank g of the other replica groups: each process sends 1/G of the gradient
@@ -294,7 +362,7 @@ class Quorum(Coordinator):
         size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         return [(i, g) for i, g in entries if i % size == rank]
 
-    def share(self, params: list) -> None:
+    def share(self, params: list[torch.nn.Parameter]) -> None:
         """After the exchange: every parameter's averaged gradient broadcast inside the replica group from its owner
         (torchft decides healing per group rank; one owner per parameter keeps the group's processes equal)."""
         if self.group is None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
 
 from .codecs.base import Codec
 
@@ -40,19 +42,36 @@ def codec_at(codec: Codec, step: int, warmup_steps: int, schedule: str | None, r
     if step < warmup_steps:
         return None
     t = step - warmup_steps
-    own = codec.at_step(t)
+    own: Any = codec.at_step(t)  # Any: the knobs below are options of the codecs that name them
     changes = {}
     if schedule == "exp" and ramp_steps > 0:
         knobs = codec.schedule_knobs
+        base: Any = codec
         if "ratio" in knobs:
-            ratio = max(own.ratio, ramp_ratio(t, ramp_steps, codec.ratio))
+            ratio = max(own.ratio, ramp_ratio(t, ramp_steps, base.ratio))
             if not math.isclose(ratio, own.ratio):
                 changes["ratio"] = ratio
         if "rank" in knobs:
-            rank = ramp_rank(t, ramp_steps, codec.rank)
+            rank = ramp_rank(t, ramp_steps, base.rank)
             if rank != own.rank:
                 changes["rank"] = rank
     return dataclasses.replace(own, **changes) if changes else own
+
+
+class Scheduled(Protocol):
+    """What :func:`plan_at` reads of a Compressor's options (:class:`gradcompress.config.Config`, a layer above)."""
+
+    @property
+    def codec(self) -> Codec: ...
+
+    @property
+    def warmup_steps(self) -> int: ...
+
+    @property
+    def schedule(self) -> str | None: ...
+
+    @property
+    def ramp_steps(self) -> int: ...
 
 
 class Plan:
@@ -64,10 +83,10 @@ class Plan:
     has a hierarchical layout (the autopilot measures which of the two is faster; FSDP's HSDP replica all-reduce,
     whose layout is the sharding's, is not affected)."""
 
-    def __init__(self, default: Codec | None, per_key: dict | None = None, flat: bool = False):
+    def __init__(self, default: Codec | None, per_key: dict | None = None, flat: bool = False) -> None:
         self.default, self.per_key, self.flat = default, dict(per_key or {}), flat
 
-    def codec(self, key) -> Codec | None:
+    def codec(self, key: Hashable) -> Codec | None:
         return self.per_key.get(key, self.default)
 
     @property
@@ -75,7 +94,7 @@ class Plan:
         """Every key travels dense."""
         return self.default is None and all(c is None for c in self.per_key.values())
 
-    def groups(self, keys) -> list[tuple[Codec | None, list[int]]]:
+    def groups(self, keys: Sequence[Hashable]) -> list[tuple[Codec | None, list[int]]]:
         """[(codec, positions in ``keys``)], one entry per distinct codec."""
         if not self.per_key:
             return [(self.default, list(range(len(keys))))]
@@ -86,6 +105,6 @@ class Plan:
         return list(out.values())
 
 
-def plan_at(config, step: int) -> Plan:
+def plan_at(config: Scheduled, step: int) -> Plan:
     """The uniform plan of step ``step`` under ``config``'s codec, warm-up and schedule."""
     return Plan(codec_at(config.codec, step, config.warmup_steps, config.schedule, config.ramp_steps))

@@ -9,20 +9,26 @@ step's codec, and divides by that divisor.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from . import topology as topology_mod
 from .codecs.base import Aggregation, Codec
-from .collectives import Collectives, LocalCollectives
+from .collectives import Collectives, LocalCollectives, ddp_bytes, x_fewer_than_ddp
 from .exchanges.dense import DenseExchange
 from .exchanges.grouped import GroupExchange, algebra_exchange
-from .exchanges.hierarchical import Hierarchy, piece_key, to_pieces, to_whole
+from .exchanges.hierarchical import HierarchicalExchange, Hierarchy, piece_key, to_pieces, to_whole
+from .exchanges.owners import OwnerExchange
 from .exchanges.reduce_scatter import HierarchicalReduceScatter, ReduceScatterExchange
 from .exchanges.replicas import ReplicaExchange
 from .spec import make
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .state import State
 
 NOT_INITIALISED = (
     "gradcompress: torch.distributed is not initialised, so there is no group to average over; call "
@@ -32,12 +38,12 @@ NOT_INITIALISED = (
     "compressor.begin_step(gradcompress.collectives.LocalCollectives(1))")
 
 
-def default_group():
+def default_group() -> dist.ProcessGroup | None:
     """The default process group, or None when ``torch.distributed`` is not initialised."""
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _same_group(a, b) -> bool:
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
     world = dist.group.WORLD
     return (a if a is not None else world) is (b if b is not None else world)
 
@@ -47,11 +53,12 @@ class Session:
 
     ``divisor``: a callable giving the number the mean divides by at each step (default: the group's size)."""
 
-    def __init__(self, config, process_group=None, divisor: Callable[[], int] | None = None):
+    def __init__(self, config: Config, process_group: dist.ProcessGroup | None = None,
+                 divisor: Callable[[], int] | None = None) -> None:
         self.config, self.group = config, process_group
         self.comm: Collectives | None = None
         self.hierarchy: Hierarchy | None = None
-        self.nodes: list | None = None
+        self.nodes: list[list[int]] | None = None
         self.key_of: dict[int, int] = {}
         self.params_checked = False  # synchronize's one check that the replicas start equal
         self.resolved = False
@@ -59,7 +66,7 @@ class Session:
         self.dense_codec = make("none")  # the codec of dense steps on paths that encode anyway (FSDP)
 
     # ---------------------------------------------------------------- the group
-    def bind(self, group) -> None:
+    def bind(self, group: dist.ProcessGroup | None) -> None:
         """Average over ``group`` (an adapter's: the DDP model's, FSDP's); an error if another group was given."""
         if self.group is None:
             self.group = group
@@ -87,17 +94,20 @@ class Session:
 
     def _resolve(self) -> None:
         c = self.config
+        comm = cast(Collectives, self.comm)  # resolved at the first step, after open()
         text = f"{c.text()} topology={topology_mod.describe(c.topology)} intra_node={c.intra_node}"
-        keys = self.comm.check_same(text, "gradcompress", topology_mod.node_key() if c.topology == "auto" else None)
-        local = isinstance(self.comm, LocalCollectives)
-        if local and self.comm.topology is None:  # no group; the cost model's recording may carry N x G workers
+        keys = comm.check_same(text, "gradcompress", topology_mod.node_key() if c.topology == "auto" else None)
+        local = comm if isinstance(comm, LocalCollectives) else None
+        # no group; the cost model's recording may carry N x G workers
+        if local is not None and local.topology is None:
             return
-        option = self.comm.topology if local else c.topology
-        self.nodes = topology_mod.nodes_of(option, self.comm.group, keys)
+        option = local.topology if local is not None else c.topology
+        self.nodes = topology_mod.nodes_of(option, comm.group, keys)
         if self.nodes is None or len(self.nodes) < 2 or len(self.nodes[0]) < 2:
             return
         whole = c.codec.aggregation is Aggregation.LOWRANK
-        layout = topology_mod.build(option, self.nodes, self.comm.group)
+        # not None: two nodes or more, of two workers or more (checked above as build checks it)
+        layout = cast(topology_mod.Topology, topology_mod.build(option, self.nodes, comm.group))
         self.hierarchy = Hierarchy(layout, c.intra_node, owners=whole)
 
     def world(self) -> int:
@@ -110,7 +120,7 @@ class Session:
 
     def divisor(self) -> int:
         """What this step's mean divides by: the group's size, or the number the session was given."""
-        return self.comm.world if self._divisor is None else int(self._divisor())
+        return cast(Collectives, self.comm).world if self._divisor is None else int(self._divisor())  # after open()
 
     # ---------------------------------------------------------------- keys
     def keys_for(self, parameters: Iterable[torch.nn.Parameter]) -> list[int]:
@@ -128,16 +138,16 @@ class Session:
 
     # ---------------------------------------------------------------- exchanges
     def exchange(self, codec: Codec | None, force_dense: bool, buffer: torch.Tensor | None, monitored: bool,
-                 flat: bool = False):
+                 flat: bool = False) -> OwnerExchange | HierarchicalExchange | DenseExchange | GroupExchange:
         """The exchange of a group of tensors at a step with ``codec`` (None: dense); ``flat``: not hierarchical
         even where the session has nodes (the autopilot's choice). A low-rank codec on a layout of flat pieces
         (the autopilot's: its session was not built for one codec) travels flat: PowerSGD needs whole matrices."""
-        c = self.config
+        c, comm = self.config, cast(Collectives, self.comm)  # a step's exchanges: after open()
         if self.hierarchical(codec, flat) and not force_dense:  # dense inside each node, the codec's between
-            return self.hierarchy.exchange(codec, c.seed, c.min_numel)
+            return cast(Hierarchy, self.hierarchy).exchange(codec, c.seed, c.min_numel)  # hierarchical(): not None
         if codec is None or codec.exact:  # dense: DDP's own all-reduce (plus momentum correction)
-            return DenseExchange(self.comm, buffer, monitored)
-        return GroupExchange(self.comm, codec, algebra_exchange(self.comm, codec, c.seed), c.min_numel)
+            return DenseExchange(comm, buffer, monitored)
+        return GroupExchange(comm, codec, algebra_exchange(comm, codec, c.seed), c.min_numel)
 
     def hierarchical(self, codec: Codec | None, flat: bool = False) -> bool:
         """Whether a group with ``codec`` travels hierarchically (see :meth:`exchange`)."""
@@ -146,27 +156,28 @@ class Session:
             return False
         return h.owners or codec is None or codec.aggregation is not Aggregation.LOWRANK
 
-    def reduce_scatter(self, codec: Codec | None, scale: float, flat: bool = False):
+    def reduce_scatter(self, codec: Codec | None, scale: float,
+                       flat: bool = False) -> HierarchicalReduceScatter | ReduceScatterExchange:
         """FSDP's compressed reduce-scatter (dense inside each node, compressed between, where hierarchical and
         not ``flat``)."""
         h = self.hierarchy
         if h is not None and not flat:
             return HierarchicalReduceScatter(h.intra, h.inter, codec, self.dense_codec, h.cast, scale)
-        return ReduceScatterExchange(self.comm, codec, self.dense_codec, scale)
+        return ReduceScatterExchange(cast(Collectives, self.comm), codec, self.dense_codec, scale)  # after open()
 
-    def replicas(self, codec: Codec | None):
+    def replicas(self, codec: Codec | None) -> ReplicaExchange | None:
         """HSDP's replica all-reduce of a shard (None: flat, the plain exchange does it)."""
         h = self.hierarchy
         return None if h is None else ReplicaExchange(h.intra, h.between(codec, self.config.seed))
 
-    def relayout(self, state, shapes: dict, hierarchical: bool) -> None:
+    def relayout(self, state: State, shapes: Mapping[Hashable, Sequence[int]], hierarchical: bool) -> None:
         """Move the per-worker state of the keys ``shapes`` (key -> tensor shape) to the other layout, between two
         steps, on every rank together (the autopilot's switch between flat and hierarchical): residuals and
         momentum (gradient space) keep their mean over the workers — to pieces by a reduce-scatter inside each node,
         back to whole tensors without communication (:func:`~.exchanges.hierarchical.to_pieces`, ``to_whole``),
         added to what the other layout holds for the key — so error feedback loses nothing; server residuals (per
         chunk owner, a layout's own) start at zero."""
-        h = self.hierarchy
+        h = cast(Hierarchy, self.hierarchy)  # a switch between layouts: the session has nodes
         parts, me = h.intra.world, h.intra.rank
         for slot in ("residual", "momentum"):
             values = state.slots[slot]
@@ -190,12 +201,15 @@ class Session:
             return 0, flat, monitor
         return flat, 0, monitor
 
-    def stats(self, totals: dict) -> dict:
+    def stats(self, totals: Mapping[str, Any]) -> dict[str, Any]:
         """``Compressor.stats()``'s counters: the state's ``totals`` with what this session's collectives sent."""
         inter, intra, monitor = self.bytes()
-        wire, raw = inter + intra, totals["raw_bytes"]
+        # the group's size as the exchanges saw it (nothing exchanged yet: nothing to compare; asking the group
+        # itself is a call into it, which torchft's managed group answers from its live quorum)
+        wire, raw, world = inter + intra, totals["raw_bytes"], self.comm.world if self.comm is not None else 1
         return {"steps": totals["steps"], "skipped": totals["skipped"], "raw_bytes": raw, "wire_bytes": wire,
                 "ratio": raw / wire if wire else float("inf") if raw else 1.0,
+                "ddp_bytes": ddp_bytes(raw, world), "x_fewer_than_ddp": x_fewer_than_ddp(raw, wire, world),
                 "codec_seconds": totals["codec_seconds"], "comm_seconds": self.comm.comm_seconds if self.comm else 0.0,
                 "monitor_bytes": monitor, "inter_node_bytes": inter, "intra_node_bytes": intra,
                 "topology": self.topology_stats(), "param_bytes": totals["param_bytes"]}
@@ -213,7 +227,7 @@ class Session:
             raise ValueError(f"Compressor.load_state_dict: the state was saved with topology {saved!r}, this "
                              f"compressor runs {now!r}; resume with the same topology")
 
-    def topology_stats(self) -> dict:
+    def topology_stats(self) -> dict[str, Any]:
         nodes = self.nodes
         return {"nodes": len(nodes) if nodes else None, "workers_per_node": len(nodes[0]) if nodes else None,
                 "kind": "flat" if self.hierarchy is None else "hierarchical"}

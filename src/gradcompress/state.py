@@ -9,7 +9,8 @@ world size keeps what stays valid there (:meth:`State.resize`).
 from __future__ import annotations
 
 import warnings
-from typing import Hashable
+from collections.abc import Collection, Hashable, Iterable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -21,13 +22,15 @@ RECYCLED = ("residual", "server_residual")
 PER_RANK_SLOTS = ("residual", "server_residual")
 #: state keys of FSDP's parameter groups (``fsdp:<module name>``): flat buffers of W chunks, so world-dependent
 FSDP_KEY_PREFIX = "fsdp:"
+#: one slot's tensors by key (a parameter position, a group's name, a piece's ``"3:0/2"``); an optimizer's view
+Slot = MutableMapping[Hashable, torch.Tensor]
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
 
 
-def _key(text: str):
+def _key(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
@@ -38,18 +41,19 @@ class State:
     optimizer that owns the per-parameter state (1-bit Adam) passes mappings that are views of its own.
     ``totals``: counters since this object was made (``Compressor.stats()``; not checkpointed)."""
 
-    def __init__(self, slots: dict | None = None) -> None:
+    def __init__(self, slots: Mapping[str, Slot] | None = None) -> None:
         self.step = 0
-        self.slots: dict[str, dict] = {name: {} for name in SLOTS}
+        self.slots: dict[str, Slot] = {name: {} for name in SLOTS}
         self.slots.update(slots or {})
         #: (slot, key) -> the residual a commit replaced, reused as the next step's output buffer (not state)
-        self.spare: dict = {}
-        self.totals = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0, "param_bytes": 0}
+        self.spare: dict[tuple[str, Hashable], torch.Tensor] = {}
+        self.totals: dict[str, float] = {"steps": 0, "skipped": 0, "raw_bytes": 0, "codec_seconds": 0.0,
+                                         "param_bytes": 0}
 
-    def get(self, slot: str, key: Hashable):
+    def get(self, slot: str, key: Hashable) -> torch.Tensor | None:
         return self.slots[slot].get(key)
 
-    def commit(self, new: dict, index: int | None = None) -> None:
+    def commit(self, new: Mapping[tuple[str, Hashable], torch.Tensor], index: int | None = None) -> None:
         """Assign a step's new states; the schedule position moves past step ``index`` (default: the current)."""
         for (slot, key), value in new.items():
             old = self.slots[slot].get(key)
@@ -66,39 +70,40 @@ class State:
         self.totals["raw_bytes"] += raw_bytes
         self.totals["codec_seconds"] += codec_seconds
 
-    def take_spare(self, slot: str, key, shape, dtype, device) -> torch.Tensor | None:
+    def take_spare(self, slot: str, key: Hashable, shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
         """A recycled buffer for ``slot``/``key`` of that layout, or None."""
         buf = self.spare.pop((slot, key), None)
         if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
             return None
         return buf
 
-    def forget(self, slots, keys) -> None:
+    def forget(self, slots: Iterable[str], keys: Collection[Hashable]) -> None:
         """Drop the state of ``keys`` in ``slots`` (a key whose codec changed: PowerSGD's factors start fresh)."""
         for slot in slots:
             for key in keys:
                 self.slots[slot].pop(key, None)
                 self.spare.pop((slot, key), None)
 
-    def add(self, slot: str, values: dict) -> None:
+    def add(self, slot: str, values: Mapping[Hashable, torch.Tensor]) -> None:
         """Add ``values`` (key -> tensor) to ``slot``: to what the key holds, or as its value (a layout switch moves
         residuals between keys, ``Session.relayout``)."""
         held = self.slots[slot]
         for k, v in values.items():
             held[k] = v if k not in held else held[k] + v
 
-    def state_dict(self) -> dict:
-        out = {"step": self.step}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step}
         for name, values in self.slots.items():
             out[name] = {str(k): v.clone() for k, v in values.items()}
         return out
 
-    def shared_state_dict(self) -> dict:
+    def shared_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` without the per-rank slots (:data:`PER_RANK_SLOTS`: empty): what a replica that
         rejoins receives from a peer (the schedule position, PowerSGD's factors, momentum)."""
         return {**self.state_dict(), **{slot: {} for slot in PER_RANK_SLOTS}}
 
-    def load_state_dict(self, state: dict, world=None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], world: object = None) -> None:
         """Take a :meth:`state_dict` (``world``: the world size it says it was saved with, checked)."""
         if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
             raise ValueError(f"Compressor.load_state_dict: world must be an integer >= 1, got {world!r}")

@@ -36,20 +36,27 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .collectives import Job, Running, Stopwatch, drive, finish, one_job
-from .codecs.base import PayloadError
+from .collectives import Collectives, Job, Running, drive, finish, one_job
+from .codecs.base import Codec, PayloadError
 from .exchanges.context import QUIET_SLOTS, Context, all_finite, first_malformed, key_number, mix_seed
-from .monitor import StepMonitor
+from .monitor import Telemetry
 from .schedule import Plan
 from .state import SLOTS, State
-from .terms import Seen, StepRecord, Terms
+from .terms import Recorder, Seen, StepRecord, Terms
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .session import Session
 
 #: the state a silent step (a replica being healed) commits: what every rank computes alike from the collectives
 SHARED_SLOTS = ("q", "p")
+#: what a launched job's ``done`` is called with: None, or the error that failed the step
+Done = Callable[[BaseException | None], None]
 
 
 class Step:
@@ -59,50 +66,62 @@ class Step:
     commit decision); ``plan`` is its key -> codec (``codec``: its default, None on a dense warm-up step); ``comm``
     the collectives it issues; ``ctx`` the context its exchanges write through; ``closed``: called with the step
     whenever its outcome changes (ended, decided, aborted), e.g. the coordinator's. See the module docstring for the
-    lifecycle. Nothing outside this module assigns a step's attributes; what it measured is :attr:`record`.
+    lifecycle. Nothing outside this module assigns a step's attributes; what it measured (kept by its
+    :class:`~gradcompress.terms.Recorder`) is :attr:`record`.
     """
 
-    def __init__(self, config, session, state: State, telemetry, workspace: dict, terms: Terms,
-                 closed: Callable[["Step"], None] | None = None):
+    def __init__(self, config: Config, session: Session, state: State, telemetry: Telemetry,
+                 workspace: dict[tuple[str, Hashable], torch.Tensor], terms: Terms,
+                 closed: Callable[[Step], None] | None = None) -> None:
         self.session, self.state, self.telemetry, self.terms = session, state, telemetry, terms
-        self.plan = terms.plan
-        self.comm = session.comm
-        self.index = terms.index
-        self.codec = self.plan.default
+        self.comm = comm = cast(Collectives, session.comm)  # opened by the compressor before its step
         divisor = session.divisor() if terms.divisor is None else terms.divisor
-        self.ctx = Context(state, workspace, config.seed, self.index, self.comm.rank, config.residual_dtype,
-                           divisor=divisor)
         every = config.monitor_every
-        if every > 0 and self.codec is not None and self.index % every == 0:
-            self.ctx.monitor = StepMonitor(self.ctx)
-        self.ctx.transforms = config.transforms(self.ctx, self.comm.world)
+        self.ctx = Context(state, workspace, config.seed, terms.index, comm.rank, config.residual_dtype,
+                           divisor=divisor, silent=terms.silent,
+                           monitored=every > 0 and self.codec is not None and terms.index % every == 0,
+                           transforms=lambda ctx: config.transforms(ctx, comm.world))
         self._closed = closed
-        #: the commit waits for :meth:`decide` (torchft: ``Manager.should_commit``, asked by the user's loop)
-        self.deferred = terms.deferred
-        #: this rank takes part in the collectives but contributes zeros and reads none of its own state
-        #: (:data:`QUIET_SLOTS`): a replica that torchft is healing; its new state in them is never committed
-        self.silent = self.ctx.silent = terms.silent
-        self.finite: bool | None = None
-        self._launched: list = []
-        self._seen: list[Seen] = []  # each group of tensors averaged, in order (the autopilot's buckets)
-        self._overlapped = False  # a job was launched early (the DDP hook), overlapping the backward pass
-        self._sample: dict | None = {} if terms.sample else None
-        self._norm_sq: torch.Tensor | None = torch.zeros((), dtype=torch.float64) if terms.norm else None
-        self._raw_bytes = 0
-        self._codec = Stopwatch()  # time in the exchanges' own code
+        self._recorder = Recorder(terms)  # what the step saw and measured: its record
+        self._launched: list[tuple[Running, Done | None]] = []
         self.open = True
+        self.finite: bool | None = None
         self.committed: bool | None = None
 
     @property
+    def plan(self) -> Plan:
+        """The step's key -> codec."""
+        return self.terms.plan
+
+    @property
+    def index(self) -> int:
+        """The step's schedule position."""
+        return self.terms.index
+
+    @property
+    def codec(self) -> Codec | None:
+        """The plan's default codec (None on a dense warm-up step)."""
+        return self.terms.plan.default
+
+    @property
+    def deferred(self) -> bool:
+        """The commit waits for :meth:`decide` (torchft: ``Manager.should_commit``, asked by the user's loop)."""
+        return self.terms.deferred
+
+    @property
+    def silent(self) -> bool:
+        """This rank takes part in the collectives but contributes zeros and reads none of its own state
+        (:data:`QUIET_SLOTS`): a replica that torchft is healing; its new state in them is never committed."""
+        return self.terms.silent
+
+    @property
     def codec_seconds(self) -> float:
-        return self._codec.seconds
+        return self._recorder.seconds
 
     @property
     def record(self) -> StepRecord:
         """What this step did so far (:class:`StepRecord`), a snapshot."""
-        sample = None if self._sample is None else types.MappingProxyType(dict(self._sample))
-        return StepRecord(self.index, self.plan, self.committed, self.finite, tuple(self._seen), self._overlapped,
-                          self._raw_bytes, self._codec.seconds, self.silent, sample, self._norm_sq)
+        return self._recorder.record(self.index, self.plan, self.committed, self.finite, self.silent)
 
     # ---------------------------------------------------------------- exchanges
     def exchange(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
@@ -119,16 +138,13 @@ class Step:
         if self.silent:
             for t in tensors:
                 t.zero_()
-        self._seen.append(Seen(tuple(keys), tuple(tuple(t.shape) for t in tensors), tensors[0].device if tensors else None))
-        if self._sample is not None:
-            self._sample.update((k, t.detach().clone()) for k, t in zip(keys, tensors))
-        self._add_norm(tensors)
-        self._raw_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        self._recorder.saw(Seen(tuple(keys), shapes, tensors[0].device if tensors else None), tensors, sampled=True)
         groups = self.plan.groups(keys)
         if len(groups) > 1:
             buffer = None  # the bucket's buffer holds every group's tensors: each group averages its own
         monitored = self.ctx.monitor is not None and not dense
-        jobs = []
+        jobs: list[Job] = []
         for codec, idx in groups:
             ks, ts = [keys[i] for i in idx], [tensors[i] for i in idx]
             exchange = self.session.exchange(None if dense else codec, dense, buffer, monitored, self.plan.flat)
@@ -139,11 +155,11 @@ class Step:
         """A compressed reduce-scatter, as a job (:mod:`gradcompress.exchanges.reduce_scatter`): ``input`` holds
         one chunk per rank; ``output`` receives this rank's chunk of the sum over ranks, times ``scale``."""
         self._require_open()
-        self._seen.append(Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale))
-        self._add_norm([input])
-        self._raw_bytes += input.numel() * input.element_size()
+        seen = Seen((key,), (tuple(input.shape),), input.device, "reduce_scatter", tuple(output.shape), scale)
+        self._recorder.saw(seen, [input])
         exchange = self.session.reduce_scatter(self.plan.codec(key), scale, self.plan.flat)
-        return exchange.job(self.ctx, [key], [input], [output])
+        job: Job = exchange.job(self.ctx, [key], [input], [output])
+        return job
 
     def all_reduce_shard(self, key: Hashable, shard: torch.Tensor) -> Job:
         """HSDP's replica all-reduce, compressed, as a job (:mod:`gradcompress.exchanges.replicas`): ``shard``, this
@@ -154,32 +170,24 @@ class Step:
         exchange = self.session.replicas(self.plan.codec(key))
         if exchange is None:
             return self.exchange([key], [shard.view(-1)])
-        self._seen.append(Seen((key,), (tuple(shard.shape),), shard.device, "replicas"))
-        self._add_norm([shard])
-        self._raw_bytes += shard.numel() * shard.element_size()
-        return exchange.job(self.ctx, [key], [shard], [shard])
-
-    def _add_norm(self, tensors) -> None:
-        """Add the tensors' squared norm to the record's ``norm_sq`` where the terms ask for it."""
-        if self._norm_sq is not None:  # on the tensors' device: one host sync when the autopilot reads it
-            for t in tensors:
-                # each tensor's norm in its own dtype (a float64 pass costs 13x on a CPU), summed in float64
-                self._norm_sq = self._norm_sq + torch.linalg.vector_norm(t.detach()).double() ** 2
+        self._recorder.saw(Seen((key,), (tuple(shard.shape),), shard.device, "replicas"), [shard])
+        job: Job = exchange.job(self.ctx, [key], [shard], [shard])
+        return job
 
     def _require_open(self) -> None:
         if not self.open:
             raise RuntimeError("gradcompress: this step has ended; begin a new one with compressor.step()")
 
     # ---------------------------------------------------------------- driving
-    def launch(self, job: Job, done: Callable[[BaseException | None], None] | None = None) -> Running:
+    def launch(self, job: Job, done: Done | None = None) -> Running:
         """Issue ``job``'s first round now; :meth:`finish` completes it and calls ``done(None)``
         (or ``done(error)`` if the step failed). Returns the launched job."""
-        running = Running(job, self._codec)
-        self._overlapped = True
+        running = Running(job, self._recorder.clock)
+        self._recorder.overlap()
         self._launched.append((running, done))
         return running
 
-    def finish(self) -> bool:
+    def finish(self) -> bool | None:
         """Drive every launched job, end the step, then call each ``done``. Returns :meth:`end`'s result."""
         with self:
             finish([running for running, _ in self._launched], self.comm)
@@ -192,7 +200,7 @@ class Step:
     def drive(self, jobs: list[Job]) -> None:
         """Run jobs to completion, round-robin, in the order given (the same on every rank); the time spent in
         their own code counts as codec time."""
-        drive(jobs, self.comm, self._codec)
+        drive(jobs, self.comm, self._recorder.clock)
 
     # ---------------------------------------------------------------- the end
     def end(self) -> bool | None:
@@ -220,15 +228,15 @@ class Step:
             return (bool(torch.stack(checks).all()) if checks else True), None
         device = received[0][0].device
         finite = torch.stack(checks).all().reshape(1) if checks else torch.ones(1, dtype=torch.bool, device=device)
-        flags = torch.cat([finite] + [f.reshape(-1).to(finite.device) for f, _, _ in received]).cpu()
-        return bool(flags[0]), (first_malformed(received) if not bool(flags[1:].all()) else None)
+        flags = torch.cat([finite] + [f.reshape(-1).to(finite.device) for f, _, _ in received]).tolist()  # one read
+        return bool(flags[0]), (first_malformed(received) if not all(flags[1:]) else None)
 
     def decide(self, agreed: bool) -> bool:
         """The outside decision on a closed step: commit its new state if it agrees and every rank was finite
         (a :attr:`silent` step commits only the state every rank shares, :data:`SHARED_SLOTS`); True if committed."""
         if self.committed is not None or self.open:
             raise RuntimeError("gradcompress: decide() needs a step that has ended and not been decided")
-        commit = self.finite and bool(agreed)
+        commit = cast(bool, self.finite) and bool(agreed)  # an ended step: its finiteness is known
         if commit:
             monitor = self.ctx.monitor
             if monitor is not None and monitor.rows:
@@ -237,17 +245,19 @@ class Step:
             if self.silent:
                 new = {k: v for k, v in new.items() if k[0] in SHARED_SLOTS}
             self.state.commit(new, self.index)
-        self.state.count(commit, self._raw_bytes, self._codec.seconds)
-        self.ctx.new, self.ctx.checks, self.committed = {}, [], commit
+        self.state.count(commit, self._recorder.raw_bytes, self._recorder.seconds)
+        self.ctx.drop()
+        self.committed = commit
         self._tell()
         return commit
 
-    def abort(self, error: "BaseException | None" = None) -> None:
+    def abort(self, error: BaseException | None = None) -> None:
         """Drop the step (after an error): nothing is committed; launched jobs' ``done`` get ``error``."""
         if self.open:
-            self.state.count(None, self._raw_bytes, self._codec.seconds)
+            self.state.count(None, self._recorder.raw_bytes, self._recorder.seconds)
         launched = self._launched
-        self.ctx.new, self.ctx.checks, self._launched, self.open = {}, [], [], False
+        self.ctx.drop()
+        self._launched, self.open = [], False
         for _, done in launched:
             if done is not None:
                 done(error or RuntimeError("gradcompress: the step was aborted"))
@@ -258,7 +268,7 @@ class Step:
             self._closed(self)
 
     @contextlib.contextmanager
-    def guarded(self, end: bool = True):
+    def guarded(self, end: bool = True) -> Generator[Step, None, None]:
         """A block that aborts the step on an exception (and re-raises it) and, with ``end``, ends it on a clean
         exit (a step that spans several blocks, such as FSDP's backward, passes ``end=False`` until the last)."""
         try:
@@ -269,12 +279,16 @@ class Step:
         if end and self.open:
             self.end()
 
-    def __enter__(self) -> "Step":
-        self._guard = self.guarded()
-        return self._guard.__enter__()
+    def __enter__(self) -> Step:
+        return self
 
-    def __exit__(self, *exc) -> bool:
-        return bool(self._guard.__exit__(*exc))
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: types.TracebackType | None) -> None:
+        """:meth:`guarded`'s block: abort on an exception (which goes on), end on a clean exit."""
+        if error is not None:
+            self.abort(error)
+        elif self.open:
+            self.end()
 
 
 __all__ = ["QUIET_SLOTS", "SHARED_SLOTS", "SLOTS", "Seen", "State", "Step", "StepRecord", "all_finite", "key_number",

@@ -8,11 +8,13 @@ message step. The step (:func:`simulate_step`) is described in :mod:`gradcompres
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from .collectives import Issued
+from .units import RATE_RULE, format_rate, parse_rate
 
 #: TCP/IPv4 (with timestamps) + Ethernet headers: 66 bytes per 1448-byte segment at MTU 1500
 FRAMING_EFFICIENCY = 1448 / 1514
@@ -20,19 +22,16 @@ FRAMING_EFFICIENCY = 1448 / 1514
 SOFTWARE_ALPHA = 100e-6
 BACKWARD_SHARE = 2 / 3
 
-# --------------------------------------------------------------------------- units
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+# --------------------------------------------------------------------------- units (rates: :mod:`gradcompress.units`)
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6, "ns": 1e-9}
 
 
-def parse_rate(text: str) -> float:
-    """A link rate in bit/s from tc's notation: ``100mbit``, ``1gbit``, ``10Gbit``, ``125mbps`` (bytes/s)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)(?:/s)?\s*", str(text).lower())
-    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"bad rate {text!r}: expected a positive number with a unit (bit, kbit, mbit, gbit; "
-                         "bps, kbps, mbps, gbps are bytes/s), e.g. 100mbit, 1gbit, 10gbit")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+def rate_argument(text: str) -> float:
+    """An argparse type: a link rate in bit/s, read by :func:`parse_rate` (``RATE_RULE`` states the rule)."""
+    try:
+        return parse_rate(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_duration(text: str) -> float:
@@ -41,13 +40,6 @@ def parse_duration(text: str) -> float:
     if not m or (m.group(2) not in _TIME_UNITS and not (m.group(2) == "" and float(m.group(1)) == 0)):
         raise ValueError(f"bad duration {text!r}: expected a number with a unit (s, ms, us), e.g. 1ms, or 0")
     return float(m.group(1)) * _TIME_UNITS.get(m.group(2), 1.0)
-
-
-def format_rate(bit_per_s: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bit_per_s >= scale:
-            return f"{bit_per_s / scale:g} {unit}"
-    return f"{bit_per_s:g} bit/s"
 
 
 def payload_bandwidth(rate_bit: float, efficiency: float = FRAMING_EFFICIENCY) -> float:
@@ -130,5 +122,5 @@ def simulate_step(forward_s: float, backward_s: float, buckets: Sequence[BucketW
 
 
 __all__ = ["BACKWARD_SHARE", "BucketWork", "FRAMING_EFFICIENCY", "MESSAGE_STEPS", "Round", "SOFTWARE_ALPHA",
-           "StepTime", "format_rate", "message_steps", "parse_duration", "parse_rate", "payload_bandwidth",
+           "RATE_RULE", "StepTime", "format_rate", "message_steps", "parse_duration", "parse_rate", "payload_bandwidth",
            "round_seconds", "simulate_step"]

@@ -23,15 +23,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 TOPOLOGIES = ("auto", "flat")
 INTRA_NODE = ("none", "bf16", "fp16")
 
 
-def _is_mesh(topology) -> bool:
+def _is_mesh(topology: object) -> TypeGuard[DeviceMesh]:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - old torch
@@ -39,7 +43,7 @@ def _is_mesh(topology) -> bool:
     return isinstance(topology, DeviceMesh)
 
 
-def check(topology, intra_node: str) -> None:
+def check(topology: object, intra_node: str) -> None:
     """``ValueError`` naming what is allowed, for a bad ``topology`` or ``intra_node`` option."""
     if intra_node not in INTRA_NODE:
         raise ValueError(f"Compressor: intra_node must be one of {', '.join(INTRA_NODE)}, got {intra_node!r}")
@@ -55,7 +59,7 @@ def check(topology, intra_node: str) -> None:
                      f"DeviceMesh (dim 0 between nodes, dim 1 inside a node), got {topology!r}")
 
 
-def describe(topology) -> str:
+def describe(topology: object) -> str:
     """The option as one word, for the configuration check across ranks."""
     if _is_mesh(topology):
         return f"mesh{tuple(topology.mesh.shape)}"
@@ -83,7 +87,7 @@ class Topology:
         return f"{self.nodes}x{self.workers_per_node}"
 
     @classmethod
-    def of_groups(cls, intra, inter) -> "Topology":
+    def of_groups(cls, intra: dist.ProcessGroup, inter: dist.ProcessGroup) -> Topology:
         """The layout of two process groups: ``intra`` this rank's node (e.g. HSDP's shard group), ``inter`` the
         workers with this rank's local rank on every node (HSDP's replicate group)."""
         return cls(dist.get_world_size(inter), dist.get_world_size(intra), dist.get_rank(inter),
@@ -106,9 +110,9 @@ def node_key() -> str:
     return f"host={socket.gethostname()}"
 
 
-def gather_keys(group) -> list[str]:
+def gather_keys(group: dist.ProcessGroup | None) -> list[str]:
     """Every rank's :func:`node_key`, in group rank order (one small all-gather)."""
-    keys: list = [None] * dist.get_world_size(group)
+    keys: list[Any] = [None]  # all_gather_object fills it with every rank's str * dist.get_world_size(group)
     dist.all_gather_object(keys, node_key(), group=group)
     return keys
 
@@ -139,7 +143,8 @@ def _blocks(world: int, per_node: int) -> list[list[int]]:
     return [list(range(i, i + per_node)) for i in range(0, world, per_node)]
 
 
-def nodes_of(topology, group, keys: Sequence[str] | None = None) -> list[list[int]] | None:
+def nodes_of(topology: object, group: dist.ProcessGroup | None,
+             keys: Sequence[str] | None = None) -> list[list[int]] | None:
     """The group's ranks per node under ``topology`` (None for ``"flat"``); ``keys``: the gathered node keys
     (``"auto"``; gathered here when not given)."""
     if topology == "flat":
@@ -154,16 +159,16 @@ def nodes_of(topology, group, keys: Sequence[str] | None = None) -> list[list[in
         return _blocks(world, g)
     if topology == "auto":
         return members_of(keys if keys is not None else gather_keys(group))
-    return _blocks(world, topology)
+    return _blocks(world, cast(int, topology))  # check() lets only an int >= 1 reach here
 
 
-def _global(group, ranks: list[int]) -> list[int]:
+def _global(group: dist.ProcessGroup | None, ranks: list[int]) -> list[int]:
     if group is None or group is dist.group.WORLD:
         return list(ranks)
     return [dist.get_global_rank(group, r) for r in ranks]
 
 
-def build(topology, members: list[list[int]] | None, group) -> Topology | None:
+def build(topology: object, members: list[list[int]] | None, group: dist.ProcessGroup | None) -> Topology | None:
     """The :class:`Topology` of ``members`` (every rank creates every intra and inter group, in the same order),
     or None when it is not hierarchical (fewer than 2 nodes, or fewer than 2 workers per node)."""
     if members is None or len(members) < 2 or len(members[0]) < 2:
@@ -177,13 +182,14 @@ def build(topology, members: list[list[int]] | None, group) -> Topology | None:
         return Topology(len(members), len(members[0]), topology.get_local_rank(0), topology.get_local_rank(1),
                         topology.get_group(1), topology.get_group(0))
     local_sync = not (group is None or group is dist.group.WORLD)
-    kw = {"use_local_synchronization": True} if local_sync else {}
+    kw: dict[str, Any] = {"use_local_synchronization": True} if local_sync else {}
     intra = [dist.new_group(_global(group, ranks), **kw) for ranks in members]
     inter = [dist.new_group(_global(group, [ranks[j] for ranks in members]), **kw) for j in range(len(members[0]))]
     return Topology(len(members), len(members[0]), node, local, intra[node], inter[local])
 
 
-def resolve(topology, group=None, keys: Sequence[str] | None = None) -> Topology | None:
+def resolve(topology: object, group: dist.ProcessGroup | None = None,
+            keys: Sequence[str] | None = None) -> Topology | None:
     """The hierarchical :class:`Topology` of ``group`` under ``topology``, or None (flat); see the module doc."""
     return build(topology, nodes_of(topology, group, keys), group)
 

@@ -22,13 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from .codecs.base import Aggregation
+from .codecs.base import Aggregation, Codec, Payload
 from .codecs.fast import RESIDUAL_DTYPES
 from .exchanges.layout import chunk_numel, decode_chunks, split_chunks
+
+if TYPE_CHECKING:
+    from .monitor import StepMonitor
+
+
+class StepSlots(Protocol):
+    """What the transforms read and write of their step's context (:class:`gradcompress.exchanges.context.Context`,
+    whose module imports this one): the committed and new states by (slot, key), buffers, the step's monitor."""
+
+    residual_dtype: torch.dtype
+    owned: dict[Hashable, torch.Tensor]
+    monitor: StepMonitor | None
+
+    def old(self, slot: str, key: Hashable) -> torch.Tensor | None: ...
+
+    def latest(self, slot: str, key: Hashable) -> torch.Tensor | None: ...
+
+    def put(self, slot: str, key: Hashable, value: torch.Tensor) -> None: ...
+
+    def spare(self, slot: str, key: Hashable, like: torch.Tensor) -> torch.Tensor | None: ...
+
+    def new_residual(self, key: Hashable, like: torch.Tensor) -> torch.Tensor: ...
+
+    def work(self, name: str, key: Hashable, like: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +63,7 @@ class Clip:
     clip: float
     world: int
 
-    def update(self, x: torch.Tensor, state=None):
+    def update(self, x: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
         norm = torch.linalg.vector_norm(x)
         return x * (self.clip / (math.sqrt(self.world) * norm + 1e-12)).clamp(max=1.0), state
 
@@ -59,7 +84,7 @@ class MomentumCorrection:
     masking: bool = False
     slot = "momentum"
 
-    def update(self, g: torch.Tensor, u: torch.Tensor | None):
+    def update(self, g: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         u = g.clone() if u is None else u * self.momentum + g
         return u, u
 
@@ -82,7 +107,8 @@ class ErrorFeedback:
 
     dtype: torch.dtype = torch.float32
 
-    def update(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None):
+    def update(self, x: torch.Tensor, residual: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x + residual (into ``out`` when given: a buffer of x's shape and dtype that aliases neither)."""
         if residual is None:
             return x, residual
@@ -105,8 +131,8 @@ class Transforms:
     """The chain of one step: ``clip`` -> ``momentum`` -> ``feedback`` (worker error feedback), each optional,
     and ``server`` (the chunk owner's error feedback); states through ``ctx``."""
 
-    def __init__(self, ctx, clip: Clip | None, momentum: MomentumCorrection | None, feedback: ErrorFeedback | None,
-                 server: ErrorFeedback | None):
+    def __init__(self, ctx: StepSlots, clip: Clip | None, momentum: MomentumCorrection | None,
+                 feedback: ErrorFeedback | None, server: ErrorFeedback | None) -> None:
         self.ctx, self.clip, self.momentum, self.feedback, self.server = ctx, clip, momentum, feedback, server
         self.masking = momentum is not None and momentum.masking
         self._fused = {a: self._fuses(a) for a in Aggregation}  # decided once per step
@@ -126,14 +152,15 @@ class Transforms:
         return (self.feedback is not None and aggregation is not Aggregation.SUM
                 and self.feedback.dtype in dtypes and not self.masking)
 
-    def dense(self, key, g: torch.Tensor) -> torch.Tensor:
+    def dense(self, key: Hashable, g: torch.Tensor) -> torch.Tensor:
         """Momentum correction of a tensor that travels dense: g is replaced by u (in place)."""
-        u, state = self.momentum.update(g.detach().float(), self.ctx.old(self.momentum.slot, key))
-        self.ctx.put(self.momentum.slot, key, state)
+        momentum = cast(MomentumCorrection, self.momentum)  # called only where the step has momentum correction
+        u, state = momentum.update(g.detach().float(), self.ctx.old(momentum.slot, key))
+        self.ctx.put(momentum.slot, key, state)
         g.copy_(u.view(g.shape))
         return g
 
-    def input(self, key, grad: torch.Tensor, private: bool = True, fused: bool = False) -> torch.Tensor:
+    def input(self, key: Hashable, grad: torch.Tensor, private: bool = True, fused: bool = False) -> torch.Tensor:
         """What gets compressed: clip -> momentum correction -> + residual, float32 and contiguous
         (``private``: never the gradient's own storage; ``fused``: the residual is left for the encode,
         :meth:`encode_fed`, to add)."""
@@ -152,7 +179,7 @@ class Transforms:
             x = x.clone()  # the gradient is overwritten with the result while x may still be read
         return x
 
-    def _add_residual(self, key, x: torch.Tensor) -> torch.Tensor:
+    def _add_residual(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         """x + the committed residual, into a buffer of ours: the residual the last commit replaced (float32
         residuals; the new residual is then computed in place there) or a persistent workspace."""
         ctx = self.ctx
@@ -163,13 +190,13 @@ class Transforms:
         buf = ctx.spare("residual", key, x) if in_place else None
         if buf is None:
             buf = torch.empty_like(x) if in_place else ctx.work("input", key, x)
-        x, _ = self.feedback.update(x, residual, out=buf)
+        x, _ = cast(ErrorFeedback, self.feedback).update(x, residual, out=buf)  # called only with error feedback
         if in_place:
             ctx.owned[key] = x
         return x
 
     # ---------------------------------------------------------------- after the codec
-    def delivered(self, key, sent: torch.Tensor, delivered: Callable[[], torch.Tensor]) -> None:
+    def delivered(self, key: Hashable, sent: torch.Tensor, delivered: Callable[[], torch.Tensor]) -> None:
         """Record what this rank's compression delivered for ``key``: the new residual and masked momentum.
         ``delivered`` is evaluated once, and only when some state needs it."""
         if self.feedback is None and not self.masking:
@@ -186,16 +213,18 @@ class Transforms:
             out = sent if ctx.owned.get(key) is sent else ctx.spare("residual", key, sent)
             ctx.put("residual", key, self.feedback.residual(sent, once(), out=out))
         if self.masking:
-            ctx.put("momentum", key, self.momentum.masked(ctx.latest("momentum", key), once()))
+            momentum = cast(MomentumCorrection, self.momentum)  # masking implies momentum correction
+            u = cast(torch.Tensor, ctx.latest("momentum", key))  # put by input() earlier in the step
+            ctx.put("momentum", key, momentum.masked(u, once()))
 
-    def _own_copy(self, key, sent: torch.Tensor) -> torch.Tensor:
+    def _own_copy(self, key: Hashable, sent: torch.Tensor) -> torch.Tensor:
         """``sent`` itself when it is this step's buffer, else a copy of it in the new residual's buffer."""
         out = sent if self.ctx.owned.get(key) is sent else self.ctx.new_residual(key, sent)
         if out is not sent:
             out.copy_(sent)
         return out
 
-    def delivered_product(self, key, sent: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    def delivered_product(self, key: Hashable, sent: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """:meth:`delivered` of a low-rank delivery ``a @ b.T``: the new residual ``sent - a @ b.T`` computed in
         place by one ``addmm_`` (no n x m product materialised; the same values as the subtraction, which
         stays the path for masked momentum and residuals in another dtype)."""
@@ -205,7 +234,7 @@ class Transforms:
         out.view(a.shape[0], b.shape[0]).addmm_(a, b.T, alpha=-1)
         self.ctx.put("residual", key, out)
 
-    def delivered_sparse(self, codec, key, sent: torch.Tensor, payload, world: int) -> bool:
+    def delivered_sparse(self, codec: Codec, key: Hashable, sent: torch.Tensor, payload: Payload, world: int) -> bool:
         """:meth:`delivered` of random-k's mean part: the new residual ``sent - decode(payload) * world`` changes
         only at the k kept positions (elsewhere sent - 0 = sent, bit for bit), so it is written there only.
         False (the dense reference path) with masked momentum or a residual in another dtype."""
@@ -220,7 +249,8 @@ class Transforms:
         self.ctx.put("residual", key, out)
         return True
 
-    def encode(self, codec, key, x: torch.Tensor, seeds: list[int], parts: int, aggregation: Aggregation) -> list:
+    def encode(self, codec: Codec, key: Hashable, x: torch.Tensor, seeds: list[int], parts: int,
+               aggregation: Aggregation) -> list[Payload]:
         """``x`` in ``parts`` chunks (:func:`~gradcompress.exchanges.layout.split_chunks`'s, one seed each), each
         encoded, with worker error feedback fused into the encode when :meth:`fuses` says so, else through the
         reference (``delivered``: the decode of the chunks)."""
@@ -234,7 +264,7 @@ class Transforms:
             self.delivered(key, x, lambda: codec.decode(payloads[0]).float())
         return payloads
 
-    def encode_fed(self, codec, key, x: torch.Tensor, seeds: list[int], parts: int) -> list:
+    def encode_fed(self, codec: Codec, key: Hashable, x: torch.Tensor, seeds: list[int], parts: int) -> list[Payload]:
         """Worker error feedback fused into the encode: ``x`` + the committed residual cut into ``parts`` chunks,
         each encoded by ``Codec.encode_feedback``, whose new residual goes straight into the residual buffer of
         this step (the one the last commit replaced). The same payloads and residual as the reference, without
@@ -256,7 +286,8 @@ class Transforms:
         self.ctx.put("residual", key, out)
         return payloads
 
-    def encode_piece(self, codec, key, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, seed: int) -> None:
+    def encode_piece(self, codec: Codec, key: Hashable, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     seed: int) -> None:
         """``x`` encoded into its place of a whole-group payload, with the worker error feedback fused when on."""
         if not self.fuses(Aggregation.REQUANTIZE):
             codec.encode_piece(x, None, None, codes, scales, seed)
@@ -266,7 +297,7 @@ class Transforms:
         codec.encode_piece(x, residual, out, codes, scales, seed)
         self.ctx.put("residual", key, out)
 
-    def server_encode(self, codec, key, mean_chunk: torch.Tensor, seed: int):
+    def server_encode(self, codec: Codec, key: Hashable, mean_chunk: torch.Tensor, seed: int) -> Payload:
         """The chunk owner's re-encode in the two-step reduce, with server error feedback when on."""
         if self.server is None:
             return codec.encode(mean_chunk, seed=seed)
@@ -280,7 +311,8 @@ class Transforms:
         return payload
 
 
-def _encode_padded(codec, xs, rs, outs, lo: int, hi: int, per: int, seed: int):
+def _encode_padded(codec: Codec, xs: torch.Tensor, rs: torch.Tensor | None, outs: torch.Tensor, lo: int, hi: int,
+                   per: int, seed: int) -> Payload:
     """The last chunk (and any beyond n) zero-padded to the chunk size, as ``split_chunks`` pads, encoded with
     fused error feedback; its new residual written back into ``outs[lo:hi]``."""
     xp = torch.zeros(per, dtype=xs.dtype, device=xs.device)

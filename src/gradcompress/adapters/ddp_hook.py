@@ -14,12 +14,18 @@ subgroup averages within that subgroup); passing a different ``process_group`` t
 Compressor is refused. State is keyed by parameter position in ``model.parameters()``.
 """
 
+# no ``from __future__ import annotations``: DDP's register_comm_hook reads the hook's ``bucket`` annotation and
+# wants the GradBucket class itself
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from ..compressor import Compressor
 
-def require_ddp(model) -> None:
+
+def require_ddp(model: object) -> None:
     """``TypeError`` naming what is required, for a model that is not ``DistributedDataParallel``."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"gradcompress: register_ddp_hook needs a "
@@ -28,12 +34,13 @@ def require_ddp(model) -> None:
                         "DDP, call compressor.synchronize(model.parameters()) after each backward")
 
 
-def register(compressor, ddp_model):
+def register(compressor: "Compressor", ddp_model: object) -> "Compressor":
     """Install ``compressor`` as ``ddp_model``'s communication hook, on the DDP model's process group."""
     require_ddp(ddp_model)
-    compressor.bind(getattr(ddp_model, "process_group", None))
-    compressor.index_parameters(ddp_model.module.parameters())
-    ddp_model.register_comm_hook(compressor, hook)
+    ddp = cast(torch.nn.parallel.DistributedDataParallel, ddp_model)  # require_ddp refused anything else
+    compressor.bind(getattr(ddp, "process_group", None))
+    compressor.index_parameters(ddp.module.parameters())
+    ddp.register_comm_hook(compressor, hook)
     return compressor
 
 
@@ -44,7 +51,7 @@ def _future(device: torch.device) -> torch.futures.Future:
     return torch.futures.Future()
 
 
-def hook(compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def hook(compressor: "Compressor", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: ``ddp_model.register_comm_hook(compressor, hook)``."""
     buffer = bucket.buffer()
     fut = _future(buffer.device)
@@ -52,7 +59,7 @@ def hook(compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     if step is None:
         step = compressor.begin_step()
     with step.guarded(end=False):  # an error aborts the step (every launched bucket's future gets it)
-        keys = compressor.keys_for(bucket.parameters())
+        keys = compressor.keys_for(cast("list[torch.nn.Parameter]", bucket.parameters()))  # the model's
         job = step.exchange(keys, list(bucket.gradients()), buffer)
 
         def done(err, fut=fut, buffer=buffer):

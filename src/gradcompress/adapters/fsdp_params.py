@@ -22,16 +22,21 @@ dtypes (FSDP then all-gathers raw bytes) is gathered exactly, with a warning.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..spec import make
 from ..collectives import Collectives, from_bytes, layout, to_bytes
 
+if TYPE_CHECKING:
+    from ..codecs.base import Codec
+
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 except ImportError:  # pragma: no cover - torch without FSDP2
-    AllGather = object
+    AllGather = object  # type: ignore[misc,assignment]  # the fallback base where torch has no FSDP2
 
 #: values per int8 scale in the parameter all-gather
 PARAM_BLOCK = 2048
@@ -39,7 +44,7 @@ PARAM_BLOCK = 2048
 PARAM_CODECS = {"int8": f"int8:bucket={PARAM_BLOCK}", "bf16": "bf16"}
 
 
-def param_codec(params):
+def param_codec(params: str | None) -> Codec | None:
     """The codec of ``params=`` (None: exact, FSDP's own all-gather); ``ValueError`` naming what is allowed."""
     if params is None:
         return None
@@ -53,12 +58,12 @@ class CompressedAllGather(AllGather):
     """FSDP2's ``AllGather`` extension point with a quantised payload (module doc); ``count(n)`` receives the bytes
     this rank sent."""
 
-    def __init__(self, codec, count):
+    def __init__(self, codec: Codec, count: Callable[[int], None]) -> None:
         self.codec, self.count = codec, count
         self._comms: dict = {}
         self._warned = False
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _comm(self, group) -> Collectives:

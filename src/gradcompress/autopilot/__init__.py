@@ -18,14 +18,29 @@ momentum move to the other layout's keys with their mean kept (``Session.relayou
 
 from __future__ import annotations
 
-from ..terms import Fixed
+from typing import TYPE_CHECKING, Protocol
+
+from ..terms import Coordinator, Fixed
 from .measure import PROBE_EVERY
 from .pilot import MEASURE_STEPS, Autopilot
 from .policy import MOVED
 from .probation import BLOCK_STEPS, LAYOUTS, PREFER_SIMPLER, TRIAL_STEPS
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..session import Session
+    from ..state import State
 
-def coordinator_for(compressor):
+
+class Coordinating(Protocol):
+    """What :func:`coordinator_for` reads of a Compressor (by its shape: compressor.py sits a layer above)."""
+
+    options: Config
+    state: State
+    session: Session
+
+
+def coordinator_for(compressor: Coordinating) -> Coordinator:
     """The coordinator of a Compressor's steps: the autopilot for ``"auto"``, else the user's codec and schedule."""
     config, session = compressor.options, compressor.session
     return Autopilot(config, compressor.state, session) if config.auto is not None else Fixed(config, session)

@@ -25,6 +25,8 @@ feedback: their residuals carry the rest).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
 import torch
 
 from ..spec import make
@@ -34,7 +36,7 @@ LEVELS = ("int8", "int4", "int2")
 REFERENCE = "int4"
 
 
-def errors(sample: dict, keys) -> list[float]:
+def errors(sample: Mapping[Hashable, torch.Tensor], keys: Iterable[Hashable]) -> list[float]:
     """This rank's squared error of one round trip of each of :data:`LEVELS` on each tensor ``keys`` of ``sample``,
     flattened key by key (``len(keys) * len(LEVELS)`` numbers)."""
     codecs = [make(spec) for spec in LEVELS]
@@ -46,12 +48,12 @@ def errors(sample: dict, keys) -> list[float]:
     return out
 
 
-def energies(sample: dict, keys) -> list[float]:
+def energies(sample: Mapping[Hashable, torch.Tensor], keys: Iterable[Hashable]) -> list[float]:
     """This rank's squared norm of each tensor ``keys`` of ``sample`` (what :func:`preconditioned` divides by)."""
     return [float(sample[key].reshape(-1).double().pow(2).sum()) for key in keys]
 
 
-def preconditioned(err: torch.Tensor, numels, energy: torch.Tensor) -> torch.Tensor:
+def preconditioned(err: torch.Tensor, numels: Sequence[int], energy: torch.Tensor) -> torch.Tensor:
     """``err`` ``[tensors, levels]`` weighed as Adam's update weighs it: each row times ``numel / energy`` (the
     inverse of the tensor's mean squared gradient; ``energy`` summed over the ranks like ``err``). A tensor whose
     gradient is zero everywhere has no error at any level: its weight is 0."""
@@ -88,10 +90,10 @@ def allocate(err: torch.Tensor, nbytes: torch.Tensor, steps: int = 200) -> list[
     return choice.tolist()
 
 
-def payload_bytes(numels) -> torch.Tensor:
+def level_bytes(numels: Iterable[int]) -> torch.Tensor:
     """``[tensors, levels]`` payload bytes of each level for tensors of ``numels`` elements."""
     codecs = [make(spec) for spec in LEVELS]
     return torch.tensor([[c.payload_nbytes(n) for c in codecs] for n in numels], dtype=torch.float64)
 
 
-__all__ = ["LEVELS", "REFERENCE", "allocate", "energies", "errors", "payload_bytes", "preconditioned"]
+__all__ = ["LEVELS", "REFERENCE", "allocate", "energies", "errors", "level_bytes", "preconditioned"]

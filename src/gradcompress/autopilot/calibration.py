@@ -32,10 +32,15 @@ import pathlib
 import platform
 import tempfile
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..collectives import Issued
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..terms import Seen
 
 ENV = "GRADCOMPRESS_CACHE"
 
@@ -61,7 +66,7 @@ def _cpu() -> str:
     return f"{fields.get('model name', platform.machine())}/{flags}"
 
 
-def machine(device) -> str:
+def machine(device: torch.device | str | None) -> str:
     """What codec times on ``device`` depend on: the CPU or the CUDA device, torch, gradcompress, threads."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
@@ -71,7 +76,7 @@ def machine(device) -> str:
     return f"{device.type}|{where}|torch {torch.__version__}|gradcompress {source_hash()}|{torch.get_num_threads()}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_hash() -> str:
     """A hash of the library's own source files (Python and C++), read once per process."""
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -82,7 +87,7 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def key(config, world: int, seen, spec: str) -> str:
+def key(config: Config, world: int, seen: Seen, spec: str) -> str:
     """The cache key of candidate ``spec`` on the group ``seen`` (a :class:`~gradcompress.step.Seen`)."""
     parts = [machine(seen.device), spec, world, seen.kind, seen.shapes, seen.out, seen.scale,
              config.error_feedback, config.min_numel, str(config.residual_dtype), config.seed]
@@ -98,7 +103,7 @@ class Cache:
         self._entries: dict | None = None
 
     @classmethod
-    def at(cls, option: str | None = None) -> "Cache":
+    def at(cls, option: str | None = None) -> Cache:
         return cls(path(option))
 
     @property

@@ -6,8 +6,8 @@ with the autopilot's configuration: error feedback, ``min_numel``) runs once per
 each round and their bytes are recorded (what ``stats()`` will count), and the time of the run (the faster of two)
 is the codec's cost on this device, for these shapes (the calibration; every rank measures it, the slowest counts).
 
-**The step** (:func:`predict`): the cost model's (:func:`gradcompress.timing.simulate_step`): forward (1/3 of the
-compute time), then backward; a bucket is handed over when its share of the backward pass is done (in the order the
+**The step** (:func:`predicted_step_s`): the cost model's (:func:`gradcompress.timing.simulate_step`): forward (1/3 of
+the compute time), then backward; a bucket is handed over when its share of the backward pass is done (in the order the
 step saw them), its codec work delays the backward pass, its first round overlaps the rest of it, later rounds
 follow; the link carries one collective at a time, ``bytes / B + alpha`` per message step. How much of the backward
 pass the exchange hides behind is ``overlap`` (1 under the DDP hook, less where measured so; 0 without the hook:
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +44,10 @@ from ..step import Step
 from ..terms import Terms
 from ..timing import BACKWARD_SHARE, BucketWork, Round, round_seconds, simulate_step
 from .calibration import Cache, key as cache_key
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..terms import Seen
 
 #: compression must beat dense by this share of the predicted step to be chosen
 MIN_GAIN = 0.02
@@ -68,7 +74,8 @@ def _numel(shapes) -> int:
     return sum(int(torch.Size(s).numel()) for s in shapes)
 
 
-def record(config, world: int, buckets, candidates, cache: Cache | None = None) -> list[list[Option]]:
+def record(config: Config, world: int, buckets: Iterable[Seen], candidates: Sequence[str],
+           cache: Cache | None = None) -> list[list[Option]]:
     """``[bucket][candidate]`` :class:`Option` of each candidate spec on each bucket ``(keys, shapes, device)``;
     ``cache`` (:class:`~.calibration.Cache`): entries found there are not run, those run are added to it."""
     gen = torch.Generator().manual_seed(config.seed)
@@ -79,7 +86,7 @@ def record(config, world: int, buckets, candidates, cache: Cache | None = None) 
         row = []
         for spec in candidates:
             entry = cache_key(config, world, seen, spec) if cache is not None and allowed(spec, seen) else None
-            found = cache.get(entry) if entry is not None else None
+            found = cache.get(entry) if entry is not None and cache is not None else None  # (entry: cache given)
             option = Option(spec, *found) if found else _record_one(config, world, seen, flat, spec)
             if entry is not None and not found:
                 new[entry] = (option.rounds, option.codec_s)
@@ -90,7 +97,7 @@ def record(config, world: int, buckets, candidates, cache: Cache | None = None) 
     return out
 
 
-def allowed(spec: str, seen) -> bool:
+def allowed(spec: str, seen: Seen) -> bool:
     """Whether candidate ``spec`` can carry the group ``seen`` (FSDP's flat buffers, reduce-scatter or HSDP's
     shards: no PowerSGD)."""
     return seen.kind == "exchange" or make(spec).aggregation is not Aggregation.LOWRANK
@@ -126,7 +133,8 @@ def _run_once(config, world: int, seen, flat: torch.Tensor, codec) -> tuple[tupl
     return tuple(comm.take_rounds()), seconds
 
 
-def predict(choice, options, sizes, link: Link, compute_s: float, overlap: float, costs=None) -> float:
+def predicted_step_s(choice: Sequence[int], options: Sequence[Sequence[Option]], sizes: Sequence[int], link: Link,
+                     compute_s: float, overlap: float, costs: Sequence[Sequence[float]] | None = None) -> float:
     """Predicted step time with candidate ``choice[b]`` on bucket b (``costs[b][c]``: codec seconds, default the
     recorded ones). ``overlap`` in [0, 1]: how much of the backward pass a bucket's exchange can hide behind (1: from
     the moment its gradients are ready, as on a GPU with its own copy engines and NICs; 0: none, every bucket waits
@@ -155,8 +163,8 @@ def _solve(f, lo: float, hi: float, target: float, log: bool = False) -> float:
     return hi
 
 
-def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs,
-             dense_step_s: float) -> tuple[float, float]:
+def fit_link(options: Sequence[Sequence[Option]], sizes: Sequence[int], link: Link, compute_s: float, overlap: float,
+             costs: Sequence[Sequence[float]] | None, dense_step_s: float) -> tuple[float, float]:
     """(overlap, share): how the step's own dense exchange did against the prediction. Measured dense steps
     (``dense_step_s``) longer than predicted: first the overlap with the backward pass is taken as smaller (down to
     none; the collectives share the CPU with the backward pass), then the link as a share of the probed bandwidth
@@ -165,7 +173,7 @@ def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs
     dense = [0] * len(options)
 
     def time_at(o: float, share: float) -> float:
-        return predict(dense, options, sizes, Link(share * link.bandwidth, link.alpha), compute_s, o, costs)
+        return predicted_step_s(dense, options, sizes, Link(share * link.bandwidth, link.alpha), compute_s, o, costs)
 
     if dense_step_s <= 0:
         return overlap, 1.0
@@ -176,15 +184,16 @@ def fit_link(options, sizes, link: Link, compute_s: float, overlap: float, costs
     return 0.0, _solve(lambda f: time_at(0.0, f), 1e-3, 1.0, dense_step_s, log=True)
 
 
-def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=None,
-           allowed=None) -> tuple[list[int], float, float]:
+def choose(options: Sequence[Sequence[Option]], sizes: Sequence[int], link: Link, compute_s: float, overlap: float,
+           costs: Sequence[Sequence[float]] | None = None,
+           allowed: Iterable[int] | None = None) -> tuple[list[int], float, float]:
     """(candidate index per bucket, its predicted step time, the all-dense one); index 0 is dense; ``allowed``:
     the candidate indices it may choose (default all)."""
     n = len(options)
     allowed = set(range(len(options[0])) if options else ()) if allowed is None else set(allowed) | {0}
 
     def time_of(choice):
-        return predict(choice, options, sizes, link, compute_s, overlap, costs)
+        return predicted_step_s(choice, options, sizes, link, compute_s, overlap, costs)
 
     choice = [0] * n
     dense = best = time_of(choice)
@@ -204,4 +213,4 @@ def choose(options, sizes, link: Link, compute_s: float, overlap: float, costs=N
     return choice, best, dense
 
 
-__all__ = ["Link", "MIN_GAIN", "Option", "allowed", "choose", "fit_link", "predict", "record"]
+__all__ = ["Link", "MIN_GAIN", "Option", "allowed", "choose", "fit_link", "predicted_step_s", "record"]

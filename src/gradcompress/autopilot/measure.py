@@ -25,10 +25,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..clocks import HostClock, for_device
+from ..clocks import EventClock, HostClock, for_device
+
+if TYPE_CHECKING:
+    from ..collectives import Collectives
+    from ..terms import StepRecord
 
 SMALL_PROBE_FLOATS = 256
 #: the big probe's bounds: at least 1 MB, whose ring messages (M/W) exceed what a link's buffers and token bucket let
@@ -45,6 +50,8 @@ MOVED = 0.25
 WAIT_FLOOR = 0.1
 #: steps whose marks wait for a check at most (more than the steps between two checks of any sensible ``every``)
 PENDING_STEPS = 64
+#: a clock's mark (:mod:`gradcompress.clocks`): a float on the host's clock, a CUDA event on a GPU's
+Mark = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +60,8 @@ class Marks:
     the (before, after) marks of its waits on collectives and of the autopilot's own work in it, its codec seconds
     (host time) and its plan."""
 
-    start: object
-    end: object
+    start: Mark
+    end: Mark
     waits: tuple
     excluded: tuple
     codec_s: float
@@ -66,25 +73,25 @@ class Marker:
     CUDA events once the buckets are seen on a GPU (:meth:`seen`); a clock given (a test's skewed or asynchronous
     one) is kept."""
 
-    def __init__(self, clock=None):
-        self.clock = clock if clock is not None else HostClock()
+    def __init__(self, clock: HostClock | EventClock | None = None):
+        self.clock: HostClock | EventClock = clock if clock is not None else HostClock()
         self.chosen = clock is not None
         #: bounded: where no check ever resolves them (a group of one) the oldest are dropped, not kept forever
         self.pending: collections.deque = collections.deque(maxlen=PENDING_STEPS)
-        self.start = None  # the current step's start mark
+        self.start: Mark = None  # the current step's start mark
         self.excluded: tuple = ()  # the autopilot's own (before, after) marks inside the current step
 
-    def use(self, clock) -> None:
+    def use(self, clock: HostClock | EventClock) -> None:
         """Mark with ``clock`` from now on (the marks so far dropped)."""
         self.chosen, self.clock, self.start = True, clock, None
         self.pending.clear()
 
-    def seen(self, device) -> None:
+    def seen(self, device: torch.device | None) -> None:
         """The buckets live on ``device``: unless a clock was given, the clock of that device from now on."""
         if not self.chosen:
             self.use(for_device(device))
 
-    def step_started(self, comm, prev) -> None:
+    def step_started(self, comm: Collectives, prev: StepRecord | None) -> None:
         """A step begins; ``prev``: the previous step's record (its marks are kept if it ran)."""
         comm.clock = self.clock
         mark, waits = self.clock.mark(), comm.take_waits()
@@ -104,8 +111,10 @@ class Meter:
     any saw, and whether it launched them early (the DDP hook: the exchange overlaps the backward pass). A step's
     marks are resolved (:meth:`settle`) at once on the host's clock, at the checks on an asynchronous one."""
 
-    def __init__(self, clock=None):
+    def __init__(self, clock: HostClock | EventClock | None = None, norms: int = 1):
         self.marker = Marker(clock)
+        #: the squared gradient norms of the last ``norms`` steps that summed them (the steps before a check)
+        self.norms: collections.deque = collections.deque(maxlen=norms)
         self.compute: collections.deque = collections.deque(maxlen=8)
         #: the last whole steps of the current plan (not its first step): the in-step probe, and the trial's measure
         self.walls: collections.deque = collections.deque(maxlen=5)
@@ -113,28 +122,30 @@ class Meter:
         self.waits: collections.deque = collections.deque(maxlen=5)
         #: the counted steps since :meth:`start_block` (a selection's block): (step, wait, compute) seconds
         self.block: list = []
-        self._plan = None  # the plan those steps ran
+        self._plan: object = None  # the plan those steps ran
         self.probe_bytes = 0
-        self.record = None
+        self.record: StepRecord | None = None
         self.buckets: tuple = ()
         self.hooked = False
 
     @property
-    def clock(self):
+    def clock(self) -> HostClock | EventClock:
         return self.marker.clock
 
-    def use(self, clock) -> None:
+    def use(self, clock: HostClock | EventClock) -> None:
         """Measure with ``clock`` from now on (kept whatever the buckets' device)."""
         self.marker.use(clock)
 
-    def closed(self, record) -> None:
+    def closed(self, record: StepRecord) -> None:
         """A step ended (or was aborted): what it measured."""
         self.record = record
+        if record.norm_sq is not None:
+            self.norms.append(record.norm_sq)  # kept on its device: read at the check (one host sync)
         if record.seen:
             self.buckets, self.hooked = record.seen, record.overlapped
             self.marker.seen(record.seen[0].device)
 
-    def step_started(self, comm) -> None:
+    def step_started(self, comm: Collectives) -> None:
         """A step begins: the previous one's marks are complete (resolved now on the host's clock)."""
         self.marker.step_started(comm, self.record)
         if not self.clock.asynchronous:
@@ -159,6 +170,15 @@ class Meter:
                     kept.clear()
                 self._plan = m.plan
 
+    def norm_sq(self) -> list[float]:
+        """The mean squared gradient norm of the steps kept since the last call (every rank the same steps), as a
+        gathered field: ``[]`` where none was summed."""
+        if not self.norms:
+            return []
+        mean = float(sum(self.norms)) / len(self.norms)
+        self.norms.clear()
+        return [mean]
+
     def compute_s(self) -> float:
         return statistics.median(self.compute) if self.compute else 0.0
 
@@ -180,11 +200,11 @@ class Meter:
             return 0.0, 0.0, 0.0
         return tuple(statistics.median(x[i] for x in self.block) for i in range(3))
 
-    def exclude(self, before, after) -> None:
+    def exclude(self, before: Mark, after: Mark) -> None:
         """The autopilot's own work inside the current step (a check), between two marks: not the step's compute."""
         self.marker.excluded = self.marker.excluded + ((before, after),)
 
-    def link(self, comm, traffic: int, device) -> tuple[float, float]:
+    def link(self, comm: Collectives, traffic: int, device: torch.device | None) -> tuple[float, float]:
         """(payload bandwidth in bytes/s, alpha in seconds) probed on ``comm`` (every rank calls it together, with the
         same ``traffic``: the bytes the plan sends between two checks; the probes send about 1 % of it)."""
         w = comm.world
@@ -196,12 +216,15 @@ class Meter:
         return 2 * (w - 1) / w * nbytes / max(big - small, small, 1e-9), alpha
 
     def _time(self, comm, t: torch.Tensor) -> float:
-        before, start = comm.monitor_bytes, self.clock.mark()
+        before = comm.monitor_bytes
+        start: Mark = self.clock.mark()
         comm.all_reduce(t, monitor=True).wait()  # on a GPU the stream waits: the mark after it sees the end
         self.probe_bytes += comm.monitor_bytes - before
-        return self.clock.seconds(start, self.clock.mark())
+        end: Mark = self.clock.mark()
+        return self.clock.seconds(start, end)
 
-    def gather(self, comm, fields: dict, device) -> dict:
+    def gather(self, comm: Collectives, fields: dict[str, list[float]], device: torch.device | None
+               ) -> dict[str, torch.Tensor]:
         """Every rank's numbers of each named field (name -> this rank's list of floats), as name -> ``[world, n]``
         float64 tables: the same on every rank, bit for bit (one all-reduce of rows that are zero but one's; counted
         as measuring bytes, not ``wire_bytes``)."""
@@ -224,7 +247,7 @@ class Prober:
     (step, wait) times when the link was last probed (or a selection measured it)."""
 
     def __init__(self) -> None:
-        self.reference = (0.0, 0.0)
+        self.reference: tuple[float, float | None] = (0.0, 0.0)
         self.unprobed = 0  # checks since the last probe
         self.link: tuple[float, float] | None = None  # the last probe's (bandwidth, alpha), combined over ranks
 

@@ -9,67 +9,37 @@ what happens when.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from ..collectives import LocalCollectives
 from ..spec import make
 from ..terms import Coordinator, Terms
-from ..timing import SOFTWARE_ALPHA, format_rate, payload_bandwidth
+from ..timing import SOFTWARE_ALPHA, payload_bandwidth
 from . import report
 from .allocate import LEVELS, REFERENCE, energies, errors, preconditioned
 from .calibration import Cache
-from .decide import MIN_GAIN, record
+from .decide import MIN_GAIN
+from .ledger import Costs, Ledger, _auto
 from .measure import Meter, Prober
-from .policy import Basis, Check, Context, Decision, Regime, allocatable, decide, review
-from .probation import (LAYOUTS, TRIAL_STEPS, Choice, LayoutTrial, Probation, Selection, Settling, Steady, judge,
-                        pick)
+from .policy import Basis, Check, Situation, Decision, Regime, Trial, allocatable, decide, review
+from .probation import LAYOUTS, TRIAL_STEPS, Choice, LayoutTrial, Probation, Selection, Settling, Steady, judge
+
+if TYPE_CHECKING:
+    from ..collectives import Collectives
+    from ..config import Config
+    from ..session import Session
+    from ..spec import Auto
+    from ..state import State
+    from ..terms import Closed
 
 log = logging.getLogger("gradcompress.auto")
 #: dense, measured steps before the first decision (at least; ``warmup_steps`` may ask for more)
 MEASURE_STEPS = 3
-
-
-@dataclasses.dataclass
-class Ledger:
-    """What the decisions so far leave: their count, the switches of plan after the first, the step of the last,
-    what it was based on, the link's fit it used ((overlap, share): how much of the backward pass the exchange
-    hides behind, the share of the probed bandwidth it gets), and the last decision itself."""
-
-    decisions: int = 0
-    switches: int = 0
-    decided_at: int | None = None
-    basis: Basis | None = None
-    fitted: tuple = (1.0, 1.0)
-    last: Decision | None = None
-
-
-class Costs:
-    """What each candidate costs on each bucket (:func:`.decide.record`), for the buckets' keys it was recorded for;
-    entries the calibration ``cache`` holds are not run again. ``digest()``: the recorded bytes as one number (48
-    bits, exact in a float64), compared across ranks: a rank whose cache disagrees makes every rank record afresh."""
-
-    def __init__(self, cache: Cache):
-        self.cache = cache
-        self.table: list | None = None  # [bucket][candidate] recorded options
-        self.keys: list | None = None
-        self.recalibrated = 0  # times the ranks' recorded bytes disagreed and every rank recorded without the cache
-
-    def of(self, config, world: int, buckets) -> list:
-        keys = [b.keys for b in buckets]
-        if self.table is None or self.keys != keys:
-            self.table, self.keys = record(config, world, buckets, config.auto.candidates, self.cache), keys
-        return self.table
-
-    def digest(self) -> float:
-        rounds = repr([[o.rounds for o in row] for row in self.table or []])
-        return float(int(hashlib.sha256(rounds.encode()).hexdigest()[:12], 16))
-
-    def afresh(self, config, world: int, buckets) -> list:
-        """Record every candidate again, the cache neither read nor written (every rank alike)."""
-        self.recalibrated += 1
-        self.table, self.keys = record(config, world, buckets, config.auto.candidates, None), [b.keys for b in buckets]
-        return self.table
+#: the critical-regime detector reads the gradients' mean squared norm over this many steps before each check (at
+#: most ``every``): one minibatch's norm is noise that flipped the regime at most checks of a converging run
+NORM_STEPS = 4
 
 
 class Autopilot(Coordinator):
@@ -78,28 +48,30 @@ class Autopilot(Coordinator):
 
     name = "auto"
 
-    def __init__(self, config, state, session, cache: Cache | None = None):
+    def __init__(self, config: Config, state: State, session: Session, cache: Cache | None = None):
         self.config, self.state, self.session = config, state, session
-        self.meter, self.prober = Meter(), Prober()
-        self.costs = Costs(cache if cache is not None else Cache.at(config.auto.cache))
+        self.meter, self.prober = Meter(norms=NORM_STEPS), Prober()
+        self.costs = Costs(cache if cache is not None else Cache.at(_auto(config).cache))
         self.regime = Regime()
         self.probation = Probation()
         self.choice = Choice.of({})
         self.check: Check | None = None  # the last check's combined numbers
         self.ledger = Ledger()
+        self.rank = 0  # this process's rank in the group (set at each step): only rank 0 logs the decisions
 
     @property
-    def options(self):
-        return self.config.auto
+    def options(self) -> Auto:
+        return _auto(self.config)
 
     @property
     def first(self) -> int:
         return max(self.config.warmup_steps, MEASURE_STEPS)
 
     # ---------------------------------------------------------------- the coordinator
-    def open(self, comm, index: int) -> Terms:
+    def open(self, comm: Collectives, index: int) -> Terms:
         """The terms of step ``index``; at a check step, every rank measures and decides together (on ``comm``)."""
         meter = self.meter
+        self.rank = comm.rank
         meter.step_started(comm)
         due = index >= self.first and (index - self.first) % self.options.every == 0
         trial = self.probation.due(index)
@@ -113,12 +85,15 @@ class Autopilot(Coordinator):
             else:
                 self._check(comm, index)
             meter.exclude(start, meter.clock.mark())
-        after = index + 1 - self.first  # the step before each check keeps its gradients' norm (and a copy)
+        after = index + 1 - self.first  # the step before each check keeps a copy of its gradients
         measure = after >= 0 and after % self.options.every == 0
-        return Terms(self.choice.plan, index, self.session.divisor(), sample=measure and self.options.allocate,
-                     norm=measure and self.options.critical > 0)
+        # the last NORM_STEPS steps before each check sum their gradients' squared norm (the regime's detector)
+        until = (self.first - 1 - index) % self.options.every
+        norm = index >= 0 and until < min(NORM_STEPS, self.options.every) and self.options.critical > 0
+        return Terms(self.choice.plan, index, self.session.divisor(), sample=cast(bool, measure and self.options.allocate),  # truthy (allocate: True or "adam")
+                     norm=norm)
 
-    def closed(self, step) -> None:
+    def closed(self, step: Closed) -> None:
         self.meter.closed(step.record)
 
     # ---------------------------------------------------------------- one check
@@ -126,17 +101,17 @@ class Autopilot(Coordinator):
         meter, options, buckets = self.meter, self.options, self.meter.buckets
         costs = self.costs.of(self.config, comm.world, buckets)
         last = meter.record
-        sample = last.sample if last is not None else None
+        sample: Any = last.sample if last is not None else None  # read only where keys: a sample was taken
         keys = allocatable(buckets, self.config.min_numel) if sample is not None else []
         fields = {"compute": [meter.compute_s()], "step": [meter.step_s()], "wait": [meter.wait_s()],
                   "digest": [self.costs.digest()], "codec": [o.codec_s for row in costs for o in row],
-                  "norm": [float(last.norm_sq)] if last is not None and last.norm_sq is not None else [],
+                  "norm": meter.norm_sq(),
                   "errors": errors(sample, keys) if keys else [],
                   "energy": energies(sample, keys) if keys and options.allocate == "adam" else []}
         got = meter.gather(comm, fields, buckets[0].device)
         if (got["digest"] != got["digest"][0]).any():  # a rank's cache disagrees: every rank records afresh
-            log.warning("gradcompress auto: step %d: the ranks' recorded bytes disagree (a stale calibration cache?); "
-                        "every rank records its candidates again without the cache", index)
+            log.warning("gradcompress auto [rank %d]: step %d: the ranks' recorded bytes disagree (a stale calibration "
+                        "cache?); every rank records its candidates again without the cache", self.rank, index)
             costs = self.costs.afresh(self.config, comm.world, buckets)
             got["codec"] = meter.gather(comm, {"codec": [o.codec_s for row in costs for o in row]},
                                         buckets[0].device)["codec"]
@@ -152,28 +127,31 @@ class Autopilot(Coordinator):
         plan = self.choice.plan
         self.check = Check(index, compute, step_s, bandwidth, alpha, tuple(map(tuple, codec)),
                            step_s if plan.dense and plan.flat else 0.0, (tuple(keys), err))
-        ctx = self._context()
-        seen = review(self.check, ctx, turned, steady)
+        situation = self._situation()
+        seen = review(self.check, situation, turned, steady)
         if seen.decide:
             if seen.measured:  # the link or the compute changed: the layouts are compared again, and a plan a
                 self.probation.moved(seen.more, seen.less)  # selection measured slower may be right now
+                self.ledger.displaced = None  # measured again: the plan a regime displaced is not restored blindly
             self.ledger.fitted = seen.fitted
-            self._decide(decide(self.check, dataclasses.replace(ctx, fitted=seen.fitted)), step_s, tried=not turned)
+            decision = decide(self.check, dataclasses.replace(situation, fitted=seen.fitted))
+            decision = dataclasses.replace(decision, why=seen.why)
+            if turned and not seen.measured:
+                self._regime(decision, step_s)
+            else:
+                self._decide(decision, step_s)
         if isinstance(self.probation.state, Steady):
             self._try_layout(index, step_s)
 
     def _observe(self, norm: float) -> bool:
         """Record the gradient norm of this check; True if the regime changed (Accordion's detector)."""
         before, self.regime = self.regime, self.regime.observe(norm, self.options.critical)
-        if self.regime.critical == before.critical:
-            return False
-        log.info("gradcompress auto: %s a critical regime (gradient norm %.4g, %.4g at the last check)",
-                 "entering" if self.regime.critical else "leaving", norm, self.regime.norms[0])
-        return True
+        return self.regime.critical != before.critical
 
-    def _context(self) -> Context:
+    def _situation(self) -> Situation:
         ledger = self.ledger
-        return Context(self.costs.table, self.meter.buckets, self.options, self.config.min_numel, self.meter.hooked,
+        table = cast(list, self.costs.table)  # recorded at the check
+        return Situation(table, self.meter.buckets, self.options, self.config.min_numel, self.meter.hooked,
                        ledger.basis, ledger.fitted, tuple(self.probation.rejected), self.regime.critical)
 
     def _link(self, comm, device, step_s: float, wait_s: float = 0.0) -> tuple[float, float]:
@@ -182,7 +160,7 @@ class Autopilot(Coordinator):
         if self.options.bandwidth is not None:
             return payload_bandwidth(self.options.bandwidth), SOFTWARE_ALPHA
         if not self.prober.due(step_s, wait_s):
-            return self.prober.link
+            return cast("tuple[float, float]", self.prober.link)  # due() until a probe has set it
         probe = self.meter.link(comm, self.traffic() * self.options.every, device)
         got = self.meter.gather(comm, {"bandwidth": [probe[0]], "alpha": [probe[1]]}, device)
         link = (got["bandwidth"].min().item(), got["alpha"].max().item())
@@ -190,38 +168,91 @@ class Autopilot(Coordinator):
         return link
 
     # ---------------------------------------------------------------- deciding and trying
-    def _decide(self, decision: Decision, step_s: float, tried: bool = True) -> None:
+    def _decide(self, decision: Decision, step_s: float) -> None:
         """Take ``decision``. Measured (no ``bandwidth=`` hint; ``tried``: not a change of regime): the current plan,
         the model's, the best uniform ones and dense are measured against each other (a :class:`Selection`), those a
-        selection measured slower left out until the measurements move their way. Told: switch to the model's plan
-        if it differs from the current one (measured for the layouts' comparison where there are nodes);
-        ``step_s``: the current plan's measured step."""
+        selection measured slower left out until the measurements move their way (the selection's end logs the
+        decision, on rank 0). Told: switch to the model's plan if it differs from the current one (measured for the
+        layouts' comparison where there are nodes); ``step_s``: the current plan's measured step."""
         ledger, index = self.ledger, decision.check.index
         ledger.basis, ledger.last, ledger.decisions = decision.basis, decision, ledger.decisions + 1
-        if self.options.bandwidth is None and tried:
+        if self.options.bandwidth is None:
             plans = self._proposals(decision)
             if len(plans) > 1:
                 self.probation.begin(Selection.begin(index, plans))
                 self.meter.start_block()
-                log.info("gradcompress auto: step %d: measuring %s (the model predicted %.4g s/step for its plan, "
-                         "dense %.4g s; link %s payload, latency %.3g ms, compute %.4g s)", index,
-                         "; ".join(self.summary(p) for p in plans), decision.predicted_s, decision.dense_s,
-                         format_rate(8 * decision.basis.bandwidth), 1e3 * decision.basis.alpha,
-                         decision.basis.compute_s)
+                self._say(logging.DEBUG, "step %d: measuring %s (%s; the model predicted %s/step for its plan, "
+                          "dense %s; %s, compute %s/step)", index, "; ".join(self.summary(p) for p in plans),
+                          decision.why, report.seconds(decision.predicted_s), report.seconds(decision.dense_s),
+                          report.link_text(decision), report.seconds(decision.basis.compute_s))
+            else:
+                self._say(logging.INFO, "step %d: %s stays (%s; nothing new to measure: the other plans were "
+                          "measured slower; %s, compute %s/step)", index, self.summary(), decision.why,
+                          report.link_text(decision), report.seconds(decision.basis.compute_s))
             ledger.decided_at = index
             return
         chosen = dict(decision.chosen)
-        if chosen != self.choice.chosen and not self.probation.is_rejected(chosen):
+        changed = chosen != self.choice.chosen and not self.probation.is_rejected(chosen)
+        if changed:
             if ledger.decided_at is not None:
                 ledger.switches += 1
             if self.options.bandwidth is None or self._layouts():
                 self.probation.begin(Settling(index + TRIAL_STEPS, self.choice, step_s))
             self._apply(chosen)
-            log.info("gradcompress auto: step %d: %s (predicted %.4g s/step, dense %.4g s; link %s payload, "
-                     "latency %.3g ms, compute %.4g s)", index, self.summary(), decision.predicted_s,
-                     decision.dense_s, format_rate(8 * decision.basis.bandwidth), 1e3 * decision.basis.alpha,
-                     decision.basis.compute_s)
+        self._say(logging.INFO, "step %d: %s%s (%s; predicted %s/step, dense %s; %s as given, compute %s/step)", index,
+                  self.summary(), "" if changed else " stays", decision.why, report.seconds(decision.predicted_s),
+                  report.seconds(decision.dense_s), report.link_text(decision),
+                  report.seconds(decision.basis.compute_s))
         ledger.decided_at = index
+
+    def _regime(self, decision: Decision, step_s: float) -> None:
+        """A change of regime (``critical=``), nothing else moved: entering one, a plan that uses a codec it leaves
+        out moves to the fastest plan of the last selection without them (else the model's); a plan that does not
+        stays. Leaving one, the plan it displaced comes back; without one, a measured decision as any other (the plans
+        left out may be measured now). No switch on a regime change otherwise: the plan the step measured stays."""
+        ledger, index, regime = self.ledger, decision.check.index, self.regime
+        ledger.basis, ledger.last, ledger.decisions = decision.basis, decision, ledger.decisions + 1
+        ledger.decided_at = index
+        dropped = self._dropped()
+        norms = f"gradient norm {regime.norms[-1]:.4g}, {regime.norms[0]:.4g} at the last check"
+        if regime.critical and set(self.choice.chosen.values()) & dropped:
+            allowed = [(t, chosen) for chosen, t in ledger.measured if not set(chosen.values()) & dropped]
+            target = min(allowed, key=lambda x: x[0])[1] if allowed else dict(decision.chosen)
+            ledger.displaced = dict(self.choice.chosen)
+            self._switch(index, target, step_s)
+            self._say(logging.INFO, "step %d: %s (%s: %s; %s left out, %s)", index, self.summary(), decision.why,
+                      norms, ", ".join(sorted(dropped)), "the fastest plan without them the last selection measured"
+                      if allowed else "the model's plan without them")
+        elif not regime.critical and ledger.displaced is not None:
+            target, ledger.displaced = ledger.displaced, None
+            self._switch(index, target, step_s)
+            self._say(logging.INFO, "step %d: %s (%s: %s; back to the plan it displaced)", index, self.summary(),
+                      decision.why, norms)
+        elif not regime.critical:
+            ledger.decisions -= 1  # counted by _decide
+            self._decide(decision, step_s)
+        else:
+            self._say(logging.INFO, "step %d: %s stays (%s: %s; it uses none of %s)", index, self.summary(),
+                      decision.why, norms, ", ".join(sorted(dropped)))
+
+    def _dropped(self) -> set:
+        """The codecs a critical regime leaves out."""
+        return set(self.options.candidates) - set(self.options.critical_candidates)
+
+    def _switch(self, index: int, chosen: dict, step_s: float) -> None:
+        """A switch the step does not judge (a change of regime): to ``chosen``, counted, settled for the layouts'
+        comparison."""
+        if chosen == self.choice.chosen:
+            return
+        self.ledger.switches += 1
+        if self.options.bandwidth is None or self._layouts():
+            self.probation.begin(Settling(index + TRIAL_STEPS, self.choice, step_s))
+        self._apply(chosen)
+
+    def _say(self, level: int, message: str, *args) -> None:
+        """A decision's line, on rank 0 only (every rank decides alike: one line says it)."""
+        if self.rank == 0:
+            log.log(level, "gradcompress auto: " + message, *args)
 
     def _proposals(self, decision: Decision) -> list[Choice]:
         """The plans a selection measures: the current one first, then the model's (a per-bucket mix only where the
@@ -249,21 +280,34 @@ class Autopilot(Coordinator):
             return
         plans, means = selection.plans, selection.means()
         keys = {k for b in self.meter.buckets for k in b.keys}
-        k = pick(plans, means, lambda c: set(c.chosen) == keys)
+        dropped = self._dropped() if self.regime.critical else set()
+        barred = {i for i, p in enumerate(plans) if set(p.chosen.values()) & dropped}  # a critical regime's
+        k = selection.kept(lambda c: set(c.chosen) == keys, barred)
         kept, ledger = plans[k], self.ledger
-        ledger.last = dataclasses.replace(ledger.last, trial=tuple((self.summary(p), t) for p, t in zip(plans, means)),
-                                          trial_back=dict(kept.chosen) != dict(ledger.last.chosen))
+        last = cast(Decision, ledger.last)  # a selection follows a decision
+        times = tuple((self.summary(p), t) for p, t in zip(plans, means))
+        ledger.last = dataclasses.replace(last, trial=Trial(times, dict(kept.chosen) != dict(last.chosen),
+                                                            selection.noise()))
+        ledger.measured = tuple((dict(p.chosen), t) for p, t in zip(plans, means))
         # the compute the next checks compare with: the selection's steady steps, not the warm-up's (a first
         # decision's compute comes from the steps right after the start, slower than those that follow)
-        ledger.basis = dataclasses.replace(ledger.basis, compute_s=selection.means(2)[k])
+        ledger.basis = dataclasses.replace(cast(Basis, ledger.basis), compute_s=selection.means(2)[k])
         traffic = self.traffic(kept.chosen)
         self.probation.rejected += [(dict(p.chosen), self.traffic(p.chosen) < traffic) for p in plans if p is not kept]
         if kept.chosen != plans[0].chosen and ledger.decisions > 1:
             ledger.switches += 1
         if kept.chosen != self.choice.chosen:
             self._apply(kept.chosen)
-        log.info("gradcompress auto: step %d: kept %s (measured: %s)", index, self.summary(),
-                 ", ".join(f"{self.summary(p)} {t:.4g} s/step" for p, t in zip(plans, means)))
+        best = min(range(len(plans)), key=lambda i: means[i])
+        note = ""
+        if k == 0 and best != 0:
+            note = f"; {self.summary(plans[best])} not faster by more than {report.seconds(selection.margin(best))}"
+        others = ", ".join(f"{self.summary(p)} {report.seconds(t)}" for i, (p, t) in enumerate(zip(plans, means))
+                           if i != k)
+        self._say(logging.INFO, "step %d: %s%s (%s; measured %s/step against %s, noise ±%s per block%s; %s, "
+                  "compute %s/step)", index, self.summary(), " stays" if k == 0 else "", last.why,
+                  report.seconds(means[k]), others,
+                  report.seconds(selection.noise()), note, report.link_text(last), report.seconds(last.basis.compute_s))
         self.prober.measured(means[k], selection.means(1)[k])
         self._try_layout(index, means[k])
 
@@ -274,6 +318,7 @@ class Autopilot(Coordinator):
         trial = self.probation.end()
         if isinstance(trial, Selection):
             return self._measure_block(comm, index, trial)
+        assert not isinstance(trial, Steady), "judged only when due: something is on probation"
         new_step = self.meter.gather(comm, {"step": [self.meter.step_s()]}, self.meter.buckets[0].device)
         verdict = judge(trial, new_step["step"].max().item())
         if isinstance(trial, LayoutTrial):
@@ -281,8 +326,9 @@ class Autopilot(Coordinator):
         if verdict.back:
             self.ledger.switches += 1
             self._apply(trial.old.chosen, trial.old.layout)
-            log.info("gradcompress auto: step %d: back to %s (the new plan took %.4g s/step, the old %.4g s)",
-                     index, self.summary(), verdict.new_step, verdict.old_step)
+            self._say(logging.INFO, "step %d: back to %s (the %s exchange took %s/step, the %s %s)", index,
+                      self.summary(), trial.old.other_layout(), report.seconds(verdict.new_step), trial.old.layout,
+                      report.seconds(verdict.old_step))
         self.prober.measured(verdict.kept)  # the plan kept, as measured: what the next checks are compared with
         self._try_layout(index, verdict.kept)
 
@@ -299,15 +345,15 @@ class Autopilot(Coordinator):
             other = self.choice.other_layout()
             self.ledger.switches += 1
             self._apply(self.choice.chosen, other)
-            log.info("gradcompress auto: step %d: trying the %s exchange (%s; %s took %.4g s/step)", index, other,
-                     self.summary(), trial.old.layout, step_s)
+            self._say(logging.INFO, "step %d: trying the %s exchange (%s; %s took %s/step)", index, other,
+                      self.summary(), trial.old.layout, report.seconds(step_s))
 
     def _layouts(self) -> bool:
         """Whether flat and hierarchical can be compared: the session has nodes and the groups are exchanges (an
         FSDP reduce-scatter's layout is not switched)."""
         return self.session.hierarchy is not None and all(b.kind == "exchange" for b in self.meter.buckets)
 
-    def _apply(self, chosen: dict, layout: str | None = None) -> None:
+    def _apply(self, chosen: Mapping, layout: str | None = None) -> None:
         """Make ``chosen`` (key -> spec) the plan, on ``layout`` (default: the current); PowerSGD factors of keys
         whose codec changed start fresh; a new layout takes the per-worker state along (``Session.relayout``)."""
         old = self.choice
@@ -321,12 +367,13 @@ class Autopilot(Coordinator):
             session.relayout(self.state, shapes, layout == "hierarchical")
         self.choice = Choice.of(chosen, layout)
 
-    def traffic(self, chosen: dict | None = None) -> int:
+    def traffic(self, chosen: Mapping | None = None) -> int:
         """Bytes one step of the current plan (or ``chosen``) sends (from the recording: the same on every rank)."""
         index = self._indices(chosen)
-        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(index, self.costs.table))
+        table = cast(list, self.costs.table)  # recorded at the first check
+        return sum(sum(c.sent for r in row[i].rounds for c in r) for i, row in zip(index, table))
 
-    def _indices(self, chosen: dict | None = None) -> list[int]:
+    def _indices(self, chosen: Mapping | None = None) -> list[int]:
         """The current plan (or ``chosen``) as a candidate index per bucket (0: dense; a bucket of allocated levels:
         the reference)."""
         chosen = self.choice.chosen if chosen is None else chosen
@@ -362,9 +409,7 @@ class Autopilot(Coordinator):
                              int(state.get("regimes", 0)))
 
     def summary(self, choice: Choice | None = None) -> str:
-        """The plan (default the current) in words: codec and number of buckets."""
-        chosen, counts = (self.choice if choice is None else choice).chosen, {}
-        for b in self.meter.buckets:
-            spec = "+".join(sorted({chosen.get(k, "none") for k in b.keys})) if b.keys else "none"
-            counts[spec] = counts.get(spec, 0) + 1
-        return ", ".join(f"{'dense' if s == 'none' else s} x{n} bucket{'s' * (n > 1)}" for s, n in counts.items())
+        """The plan (default the current) in words: buckets per codec (``int8 x2, dense x4``;
+        ``stats()["auto"]["plan"]`` counts the same)."""
+        return report.plan_text(report.plan_counts((self.choice if choice is None else choice).chosen,
+                                                   self.meter.buckets))

@@ -1,7 +1,7 @@
 """The autopilot's decision, pure: from one check's combined numbers (:class:`Check`) to a :class:`Decision`.
 
 No I/O here: no collective, no clock, no file. Everything a decision uses arrives in the :class:`Check` (every rank
-holds the same one, built from gathered numbers) and the :class:`Context` (what the last decision was based on and
+holds the same one, built from gathered numbers) and the :class:`Situation` (what the last decision was based on and
 what the trial sent back), so every rank decides alike.
 
 * **When to decide** (:func:`review`): at the first check; whenever the compute time or the link's cost to a
@@ -20,12 +20,17 @@ what the trial sent back), so every rank decides alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .allocate import LEVELS, REFERENCE, allocate, payload_bytes
-from .decide import Link, choose, fit_link, predict
+from .allocate import LEVELS, REFERENCE, allocate, level_bytes
+from .decide import Link, choose, fit_link, predicted_step_s
+
+if TYPE_CHECKING:
+    from ..autospec import Auto
+    from ..terms import Seen
 
 #: a change of the link rate or the compute time that makes the autopilot decide again
 MOVED = 0.25
@@ -64,14 +69,14 @@ class Check:
 
 
 @dataclasses.dataclass(frozen=True)
-class Context:
+class Situation:
     """What a decision reads besides the check: the candidates' recorded costs (``costs[b][c]``), the buckets
     (:class:`~gradcompress.step.Seen`), the autopilot's options, whether the buckets overlap the backward pass
     (``hooked``), the last decision's basis and fit, the plans the trial sent back and the regime."""
 
     costs: list
     buckets: tuple
-    options: object
+    options: Auto
     min_numel: int
     hooked: bool
     basis: Basis | None
@@ -90,13 +95,25 @@ class Context:
 
 
 @dataclasses.dataclass(frozen=True)
+class Trial:
+    """What a selection measured: ``times`` ((plan in words, measured s/step) per plan, the current one first),
+    ``back`` (the plan kept is not the model's) and ``noise_s`` (the measured noise of one block: the pooled spread of
+    the blocks around their plans' means)."""
+
+    times: tuple
+    back: bool = False
+    noise_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """A decision: ``chosen`` (key -> spec of every key it compresses), the cost model's ``choice`` (candidate index
     per bucket) with its ``predicted_s`` and the all-dense ``dense_s``, the ``check`` it came from, its ``basis``,
     the per-tensor ``allocation`` summary (``allocate=true``), ``uniform`` (the budget's best *uniform* compressed
     plans, one codec on every bucket, by the model (:func:`uniform_plans`), each key -> spec; measured against
     ``chosen`` and dense) with the best one's predicted ``uniform_s``, and once measured ``trial`` ((plan in words, measured s/step) per plan the
-    selection measured) with ``trial_back`` (the kept plan is not the model's)."""
+    selection measured, :class:`Trial`) and ``why`` (what made it decide: the first decision, the compute or the
+    link moved, the in-step fit moved, a change of regime)."""
 
     chosen: Mapping
     choice: tuple
@@ -108,21 +125,22 @@ class Decision:
     allocation: Mapping = dataclasses.field(default_factory=dict)
     uniform: tuple = ()
     uniform_s: float = float("inf")
-    trial: tuple | None = None
-    trial_back: bool = False
+    trial: Trial | None = None
+    why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Review:
     """What a check calls for: ``decide`` (choose again), ``measured`` (the measurements moved: the layouts are to
     be compared again), ``more``/``less`` (compressing more/less may pay now: the plans a selection measured slower
-    that compressed more/less than the one kept are measured again) and the new ``fitted``."""
+    that compressed more/less than the one kept are measured again), the new ``fitted`` and ``why`` (in words)."""
 
     decide: bool
     measured: bool
     more: bool
     less: bool
     fitted: tuple
+    why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +152,7 @@ class Regime:
     critical: bool = False
     changes: int = 0
 
-    def observe(self, norm: float, threshold: float) -> "Regime":
+    def observe(self, norm: float, threshold: float) -> Regime:
         """The regime after a check whose gradient norm is ``norm``: critical when it moved by more than
         ``threshold`` relative to the last check's."""
         norms = (self.norms + (norm,))[-2:]
@@ -185,63 +203,76 @@ def refitted(new: tuple, old: tuple) -> bool:
     return abs(new[0] - old[0]) > MOVED or abs(new[1] - old[1]) > MOVED * old[1]
 
 
-def review(check: Check, ctx: Context, regime_changed: bool, steady: bool = False) -> Review:
+def review(check: Check, situation: Situation, regime_changed: bool, steady: bool = False) -> Review:
     """Whether ``check`` calls for a decision (see the module docstring). ``steady``: the current plan's own step
     time and wait have not moved since they were last measured (a probe or a selection): then a probe or a compute
     reading that moved is noise, not a move (the step decides; a link that really changed moves the wait)."""
-    fitted = ctx.fitted
-    if ctx.options.bandwidth is None and check.dense_step_s > 0:  # fresh dense steps: the step as it went
-        fitted = fit_link(ctx.costs, ctx.sizes, Link(check.bandwidth, check.alpha), check.compute_s,
-                          1.0 if ctx.hooked else 0.0, list(check.codec), check.dense_step_s)
-    share, first = ctx.fitted[1], ctx.basis is None
-    now = (check.compute_s, check.bandwidth, ctx.dense_bytes)
-    measured = first or (not steady and moved(ctx.basis, share, *now))
-    more = first or (not steady and favours_compression(ctx.basis, share, *now))
-    less = first or (not steady and favours_less(ctx.basis, share, *now))
-    again = measured or regime_changed or (refitted(fitted, ctx.fitted) and not ctx.rejected)
-    return Review(again, measured, more, less, fitted)
+    fitted = situation.fitted
+    if situation.options.bandwidth is None and check.dense_step_s > 0:  # fresh dense steps: the step as it went
+        fitted = fit_link(situation.costs, situation.sizes, Link(check.bandwidth, check.alpha), check.compute_s,
+                          1.0 if situation.hooked else 0.0, list(check.codec), check.dense_step_s)
+    share, first = situation.fitted[1], situation.basis is None
+    now = (check.compute_s, check.bandwidth, situation.dense_bytes)
+    basis = cast(Basis, situation.basis)  # read only when not the first decision
+    measured = first or (not steady and moved(basis, share, *now))
+    more = first or (not steady and favours_compression(basis, share, *now))
+    less = first or (not steady and favours_less(basis, share, *now))
+    refit = refitted(fitted, situation.fitted) and not situation.rejected
+    again = measured or regime_changed or refit
+    why = ""
+    if first:
+        why = "first decision"
+    elif measured:
+        dc, dl = shift(basis, share, *now)
+        why = " and ".join(f"{name} moved {100 * x:+.0f} %" for name, x in (("compute", dc), ("link cost", dl))
+                           if abs(x) > MOVED)
+    elif regime_changed:
+        why = ("entering" if situation.critical else "leaving") + " a critical regime"
+    elif refit:
+        why = "the in-step fit of the link moved"
+    return Review(again, measured, more, less, fitted, why)
 
 
-def decide(check: Check, ctx: Context) -> Decision:
-    """The plan for ``check`` under ``ctx`` (its ``fitted``: the link's overlap and share to predict with)."""
-    options, sizes = ctx.options, ctx.sizes
-    overlap, share = ctx.fitted
+def decide(check: Check, situation: Situation) -> Decision:
+    """The plan for ``check`` under ``situation`` (its ``fitted``: the link's overlap and share to predict with)."""
+    options, sizes = situation.options, situation.sizes
+    overlap, share = situation.fitted
     link = Link(share * check.bandwidth, check.alpha)
-    names = options.critical_candidates if ctx.critical else options.candidates
+    names = options.critical_candidates if situation.critical else options.candidates
     allowed = [i for i, spec in enumerate(options.candidates) if spec in names]
-    choice, predicted, dense = choose(ctx.costs, sizes, link, check.compute_s, overlap if ctx.hooked else 0.0,
-                                      list(check.codec), allowed)
-    chosen = {k: options.candidates[c] for b, c in zip(ctx.buckets, choice) for k in b.keys if c}
+    overlap = overlap if situation.hooked else 0.0
+    choice, predicted, dense = choose(situation.costs, sizes, link, check.compute_s, overlap, list(check.codec), allowed)
+    chosen = {k: options.candidates[c] for b, c in zip(situation.buckets, choice) for k in b.keys if c}
     keys, err = check.errors
     allocation: dict = {}
     if err is not None:
-        chosen, allocation = _allocated(chosen, ctx.buckets, list(keys), err)
-    uniform, uniform_s = uniform_plans(ctx, link, check, [c for c in allowed if c])
+        chosen, allocation = _allocated(chosen, situation.buckets, list(keys), err)
+    uniform, uniform_s = uniform_plans(situation, link, check, [c for c in allowed if c])
     return Decision(chosen, tuple(choice), predicted, dense, tuple(sizes), check,
                     Basis(check.compute_s, link.bandwidth, link.alpha), allocation, uniform, uniform_s)
 
 
-def uniform_plans(ctx: Context, link: Link, check: Check, allowed: list) -> tuple[tuple, float]:
+def uniform_plans(situation: Situation, link: Link, check: Check, allowed: list) -> tuple[tuple, float]:
     """The compressed plans with one codec (of ``allowed`` candidate indices) on every bucket that the model
     predicts within :data:`UNIFORM_BAND` of the fastest of them, fastest first, at most :data:`UNIFORM_MAX` (each
     key -> spec; none where no candidate can carry every bucket), and the fastest's predicted step time. The model
     ranks close plans within its error (on a CPU testbed int8 against int4 at 10 Gbit/s): those are measured."""
-    overlap = ctx.fitted[0] if ctx.hooked else 0.0
+    overlap = situation.fitted[0] if situation.hooked else 0.0
     timed = []
     for c in allowed:
-        if any(row[c].codec_s == float("inf") for row in ctx.costs):
+        if any(row[c].codec_s == float("inf") for row in situation.costs):
             continue
-        timed.append((predict([c] * len(ctx.buckets), ctx.costs, ctx.sizes, link, check.compute_s, overlap,
-                              list(check.codec)), c))
+        timed.append((predicted_step_s([c] * len(situation.buckets), situation.costs, situation.sizes, link,
+                                       check.compute_s, overlap, list(check.codec)), c))
     if not timed:
         return (), float("inf")
     timed.sort()
     best = timed[0][0]
     near = [c for t, c in timed if t <= best * (1 + UNIFORM_BAND)][:UNIFORM_MAX]
-    return tuple({k: ctx.options.candidates[c] for b in ctx.buckets for k in b.keys} for c in near), best
+    return tuple({k: situation.options.candidates[c] for b in situation.buckets for k in b.keys} for c in near), best
 
 
-def allocatable(buckets, min_numel: int) -> list:
+def allocatable(buckets: Iterable[Seen], min_numel: int) -> list[Hashable]:
     """Keys the per-tensor allocation may measure: every exchanged tensor the codec would compress (the same list
     on every rank)."""
     return [k for b in buckets if b.kind == "exchange" for k, s in zip(b.keys, b.shapes)
@@ -255,7 +286,7 @@ def _allocated(chosen: dict, buckets, keys: list, err: torch.Tensor) -> tuple[di
     if not rows:
         return chosen, {}
     sizes = {k: int(torch.Size(s).numel()) for b in buckets for k, s in zip(b.keys, b.shapes)}
-    nbytes, sub = payload_bytes([sizes[keys[i]] for i in rows]), err[rows]
+    nbytes, sub = level_bytes([sizes[keys[i]] for i in rows]), err[rows]
     levels = allocate(sub, nbytes)
     out = dict(chosen)
     out.update((keys[i], LEVELS[c]) for i, c in zip(rows, levels))
@@ -266,5 +297,5 @@ def _allocated(chosen: dict, buckets, keys: list, err: torch.Tensor) -> tuple[di
     return out, summary
 
 
-__all__ = ["Basis", "Check", "Context", "Decision", "MOVED", "Regime", "Review", "allocatable", "decide",
+__all__ = ["Basis", "Check", "Decision", "MOVED", "Regime", "Review", "Situation", "Trial", "allocatable", "decide",
            "decided_on", "favours_compression", "favours_less", "moved", "refitted", "review", "shift", "UNIFORM_BAND", "UNIFORM_MAX", "uniform_plans"]

@@ -9,7 +9,9 @@ hierarchical). The states:
   current, others..., others reversed..., current (a drift of the machine's speed favours none), on every rank at
   the same steps; each block's median step (the slowest rank's) is its measure, a plan's time the mean of its two
   blocks; the fastest stays (:func:`pick`: a simpler plan within :data:`PREFER_SIMPLER` of the fastest is preferred:
-  dense, then one codec everywhere, then a per-bucket mix);
+  dense, then one codec everywhere, then a per-bucket mix), but only if it was measured faster than the current
+  plan by more than the measured noise (:meth:`Selection.kept`: :func:`noise_t` standard errors of the difference,
+  the blocks' pooled spread, and :data:`HYSTERESIS` of the current step): else the current plan stays;
 * :class:`LayoutTrial`: the same codecs on the other layout (where there are nodes), :data:`TRIAL_STEPS` steps: the
   faster layout stays;
 * :class:`Settling`: a decision told by ``bandwidth=`` or a change of regime (nothing judged), measured for the
@@ -23,7 +25,8 @@ measured again until the measurements move the way that could make them faster).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import cast
 
 from ..schedule import Plan
 from ..spec import make
@@ -37,6 +40,15 @@ PREFER_SIMPLER = 0.02
 #: steps each plan of a selection runs per block (the first after a switch not counted: a compressed plan's first
 #: step allocates its residuals); n plans: the selection ends 4n steps after it began
 BLOCK_STEPS = 2
+#: no flapping: a selection leaves the current plan only for one measured faster by more than Student's t (97.5 %)
+#: for the pooled degrees of freedom standard errors of the difference (the blocks' spread around their plans' means,
+#: pooled over the plans: two blocks a plan give one degree each, so a normal quantile of 2 read noise as a gain in
+#: about 1 comparison in 10 and flapped on a loaded machine); NOISE_T[dof], beyond the table its last value...
+NOISE_T = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+           15: 2.13, 20: 2.09}
+#: ... and by more than this share of the current plan's step (hysteresis: two blocks per plan can read a loaded
+#: machine's noise as small by chance)
+HYSTERESIS = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +58,10 @@ class Choice:
 
     chosen: Mapping
     layout: str = "flat"
-    plan: Plan = dataclasses.field(default=None, compare=False)
+    plan: Plan = dataclasses.field(default=cast(Plan, None), compare=False)  # always given: made by ``of``
 
     @staticmethod
-    def of(chosen: Mapping, layout: str = "flat") -> "Choice":
+    def of(chosen: Mapping, layout: str = "flat") -> Choice:
         codecs = {spec: make(spec) for spec in set(chosen.values())}
         compressed = {k: codecs[s] for k, s in chosen.items() if not codecs[s].exact}
         return Choice(dict(chosen), layout, Plan(None, compressed, flat=layout == "flat"))
@@ -94,7 +106,7 @@ class Selection:
     times: tuple = ()
 
     @staticmethod
-    def begin(index: int, plans) -> "Selection":
+    def begin(index: int, plans: Sequence[Choice]) -> Selection:
         n = len(plans)
         order = tuple(range(n)) + tuple(reversed(range(n)))
         return Selection(index + BLOCK_STEPS, tuple(plans), order, 0, tuple(() for _ in plans))
@@ -104,7 +116,7 @@ class Selection:
         """The index of the plan the current block runs."""
         return self.order[self.block]
 
-    def measured(self, step_s: float, wait_s: float = 0.0, compute_s: float = 0.0) -> "Selection":
+    def measured(self, step_s: float, wait_s: float = 0.0, compute_s: float = 0.0) -> Selection:
         """The current block ended, measured at ``step_s`` (``wait_s`` of it waiting on the collectives, ``compute_s``
         computing); the next block (``done`` when none is left)."""
         times = tuple(t + ((step_s, wait_s, compute_s),) if i == self.running else t
@@ -124,6 +136,55 @@ class Selection:
             out.append(sum(counted) / len(counted) if counted else float("inf"))
         return out
 
+    def noise(self) -> float:
+        """The blocks' standard deviation around their plans' mean step, pooled over the plans (0: no plan has two
+        counted blocks): the measured noise of one block."""
+        squares, dof = self._spread()
+        return (squares / dof) ** 0.5 if dof else 0.0
+
+    def dof(self) -> int:
+        """The degrees of freedom of :meth:`noise` (counted blocks less one per plan, summed)."""
+        return self._spread()[1]
+
+    def _spread(self) -> tuple[float, int]:
+        squares, dof = 0.0, 0
+        for t in self.times:
+            counted = [x[0] for x in t if x[0] > 0]
+            if len(counted) > 1:
+                mean = sum(counted) / len(counted)
+                squares += sum((x - mean) ** 2 for x in counted)
+                dof += len(counted) - 1
+        return squares, dof
+
+    def error(self, a: int, b: int) -> float:
+        """The standard error of the difference of plans ``a`` and ``b``'s measured means (:meth:`noise`)."""
+        n = [max(sum(1 for x in self.times[i] if x[0] > 0), 1) for i in (a, b)]
+        return self.noise() * (1 / n[0] + 1 / n[1]) ** 0.5
+
+    def kept(self, everywhere: Callable[[Choice], bool], barred: Collection[int] = frozenset()) -> int:
+        """The index of the plan this selection keeps: :func:`pick`'s, if it was measured faster than the current
+        plan (index 0) by more than :func:`noise_t` standard errors and :data:`HYSTERESIS` of the current plan's
+        step; else the current plan (no flapping on noise). ``barred``: plans that may not stay (a critical
+        regime's codecs), read as infinitely slow."""
+        means = [float("inf") if i in barred else m for i, m in enumerate(self.means())]
+        k = pick(self.plans, means, everywhere)
+        return k if k == 0 or means[0] - means[k] > self.margin(k, 0 in barred) else 0
+
+    def margin(self, k: int, barred: bool = False) -> float:
+        """How much faster than the current plan plan ``k`` must be measured for the selection to change to it
+        (``barred``: the current plan may not stay: nothing)."""
+        current = self.means()[0]
+        if current == float("inf") or barred:
+            return float("-inf")  # the current plan's blocks were all aborted (or it may not stay): nothing to keep
+        return max(noise_t(self.dof()) * self.error(0, k), HYSTERESIS * current)
+
+
+def noise_t(dof: int) -> float:
+    """Student's t at 97.5 % for ``dof`` degrees of freedom (:data:`NOISE_T`; 0 for none: no spread measured)."""
+    if dof <= 0:
+        return 0.0
+    return NOISE_T[max(d for d in NOISE_T if d <= dof)]
+
 
 def simplicity(choice: Choice) -> int:
     """0: dense; 1: one codec everywhere; 2: a per-bucket mix (a plan of keys left dense counts as a mix)."""
@@ -131,7 +192,7 @@ def simplicity(choice: Choice) -> int:
     return 0 if not specs else 1 if len(specs) == 1 else 2
 
 
-def pick(plans, means, everywhere) -> int:
+def pick(plans: Sequence[Choice], means: Sequence[float], everywhere: Callable[[Choice], bool]) -> int:
     """The index of the plan a selection keeps: the fastest measured, unless a simpler plan (:func:`simplicity`;
     ``everywhere(choice)``: it covers every key) measured within :data:`PREFER_SIMPLER` of it."""
     def rank(i):
@@ -141,6 +202,10 @@ def pick(plans, means, everywhere) -> int:
     best = min(range(len(plans)), key=lambda i: means[i])
     near = [i for i in range(len(plans)) if means[i] <= means[best] * (1 + PREFER_SIMPLER) and rank(i) < rank(best)]
     return min(near, key=lambda i: (rank(i), means[i])) if near else best
+
+
+#: what is on probation: nothing, a layout's trial, a settling plan or a selection of plans
+TrialState = Steady | LayoutTrial | Settling | Selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +219,7 @@ class Verdict:
     new_step: float
 
 
-def judge(state, new_step: float) -> Verdict:
+def judge(state: LayoutTrial | Settling, new_step: float) -> Verdict:
     """The verdict on ``state`` (a layout trial or a settling plan) with the new plan measured at ``new_step``: a
     layout trial goes back if the other layout was slower; a settling plan is never judged."""
     old = state.old_step
@@ -170,7 +235,7 @@ class Probation:
     the trial sent back)."""
 
     def __init__(self) -> None:
-        self.state = Steady()
+        self.state: TrialState = Steady()
         self.layout_open = True
         self.layout_times: dict = {}
         #: plans a selection measured slower, each with whether it compressed more than the plan kept
@@ -180,10 +245,10 @@ class Probation:
         """Whether a trial is judged at step ``index``."""
         return not isinstance(self.state, Steady) and index == self.state.at
 
-    def begin(self, state) -> None:
+    def begin(self, state: TrialState) -> None:
         self.state = state
 
-    def end(self):
+    def end(self) -> TrialState:
         """The trial to judge now (the state returns to :class:`Steady`)."""
         state, self.state = self.state, Steady()
         return state
@@ -198,7 +263,7 @@ class Probation:
     def is_rejected(self, chosen: dict) -> bool:
         return any(c == chosen for c, _ in self.rejected)
 
-    def layout_trial(self, index: int, current: Choice, step_s: float):
+    def layout_trial(self, index: int, current: Choice, step_s: float) -> LayoutTrial | Settling | None:
         """The layout trial to start now (None: none; :class:`Settling` while the current plan is unmeasured)."""
         if not self.layout_open:
             return None
@@ -208,5 +273,5 @@ class Probation:
         return LayoutTrial(index + TRIAL_STEPS, current, step_s)
 
 
-__all__ = ["BLOCK_STEPS", "Choice", "LAYOUTS", "LayoutTrial", "PREFER_SIMPLER", "Probation", "Selection", "Settling",
+__all__ = ["BLOCK_STEPS", "Choice", "HYSTERESIS", "LAYOUTS", "LayoutTrial", "NOISE_T", "PREFER_SIMPLER", "Probation", "Selection", "Settling",
            "Steady", "TRIAL_STEPS", "Verdict", "judge", "pick", "simplicity"]

@@ -2,9 +2,10 @@
 
 Subcommands:
 
-* ``gradcompress demo``  — every scheme on the same small task, 4 local workers; prints a
+* ``gradcompress demo``  — every scheme on the same small task (the digits MLP, or ``--task lm``: a
+  byte-level transformer), 4 local workers; prints a
   table and writes ``results.json`` and ``report.png`` (see :mod:`gradcompress.cli.demo`);
-* ``gradcompress train`` — one run with one scheme, locally or under ``torchrun``
+* ``gradcompress train`` — one run with one scheme (either task), locally or under ``torchrun``
   (see :mod:`gradcompress.cli.train`);
 * ``gradcompress bench`` — encode/decode speed, compression ratio and error of every
   codec on one gradient-sized tensor (see :mod:`gradcompress.cli.bench`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from .common import CLIError
 
@@ -30,7 +32,7 @@ __all__ = ["main"]
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``prog: error: message (see prog --help)``)."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -39,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench, demo, netbench, plan, train
 
     parser = Parser(prog="gradcompress", description="Gradient compression for data-parallel PyTorch training: "
-                    "a demo comparing every scheme, single training runs, and a codec benchmark.",
+                    "a demo comparing every scheme (demo), single training runs (train), a codec benchmark "
+                    "(bench), step time and bytes over emulated shaped links (netbench), and predicted step "
+                    "times for your model and network (plan).",
                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                    epilog="Run 'gradcompress COMMAND --help' for the options of a command.")
+                    epilog="Every command takes its schemes with --schemes (';'-separated: specs contain commas).\n"
+                           "Run 'gradcompress COMMAND --help' for the options of a command.")
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"gradcompress {__version__}")

@@ -3,7 +3,8 @@
 For each codec: the median over ``--repeats`` runs of ``encode`` and of ``decode``
 (after one untimed warm-up run), reported as GB/s of input (float32 bytes / seconds)
 and as (encode + decode) / (a float16 round trip ``x.half().float()`` timed in the same
-run); the compression ratio (input bytes / ``Payload.nbytes``) and the relative error
+run); the payload ratio (input bytes / ``Payload.nbytes``: one tensor, no exchange, so not the "x fewer bytes
+than DDP" that ``demo`` and ``train`` print) and the relative error
 ||decode(encode(x)) - x|| / ||x||.
 
 The tensor: ``--numel`` float32 values drawn from N(0, 1e-3^2) (a gradient's scale;
@@ -20,9 +21,15 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .common import CLIError, positive_int, split_schemes, text_table
+from ..spec import scheme_name
+from .common import CLIError, positive_int, progress_bars, split_schemes, text_table
 from .common import fmt as f
+
+if TYPE_CHECKING:
+    import torch
 
 EXTRA_CODECS = ("topk:ratio=0.01,values=int8", "int8:stochastic=true", "powersgd:rank=4")
 MATRIX_ROWS = 4096
@@ -34,22 +41,25 @@ def default_codecs() -> list[str]:
     return gradcompress.available() + list(EXTRA_CODECS)
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "bench", help="encode/decode speed, compression ratio and error of every codec",
+        "bench", help="encode/decode speed, payload ratio and error of every codec",
         description="Time encode and decode of every codec on one gradient-sized tensor and compare with a "
-                    "float16 round trip; report compression ratio and relative error.",
+                    "float16 round trip; report the payload ratio (input bytes / encoded bytes, no exchange) and "
+                    "relative error.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Codecs: every registered codec with its default options, plus " + "; ".join(EXTRA_CODECS) +
-               ".\nChoose some with --codecs (';'-separated and/or repeated, since specs contain commas):\n"
-               "  gradcompress bench --codecs 'int8;topk:ratio=0.01,values=int8' --numel 1000000\n"
-               "  gradcompress bench --in-step --codecs 'none;int8;sign;topk:ratio=0.01;powersgd:rank=4'")
+               ".\nChoose some with --schemes (';'-separated and/or repeated, since specs contain commas):\n"
+               "  gradcompress bench --schemes 'int8;topk:ratio=0.01,values=int8' --numel 1000000\n"
+               "  gradcompress bench --in-step --schemes 'none;int8;sign;topk:ratio=0.01;powersgd:rank=4'")
     p.add_argument("--numel", type=positive_int, default=25_000_000,
                    help="elements of the float32 tensor (default 25000000, 100 MB)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensor lives (default cpu)")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed runs per codec; the median counts (default 5; --in-step: 6 steps)")
-    p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC", help="codec specs to time (default: all)")
+    p.add_argument("--schemes", "--codecs", action="extend", nargs="+", metavar="SPEC", dest="codecs",
+                   help="codec specs to time (';'-separated and/or repeated; default: all). --codecs: the old name, "
+                        "still read")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--seed", type=int, default=0, help="seed of the tensor and the codecs (default 0)")
     p.add_argument("--in-step", action="store_true",
@@ -88,7 +98,8 @@ def _median_time(fn, repeats: int, now) -> float:
     return statistics.median(times)
 
 
-def bench_codec(spec: str, x, repeats: int, fp16_seconds: float, now, seed: int = 0) -> dict:
+def bench_codec(spec: str, x: torch.Tensor, repeats: int, fp16_seconds: float, now: Callable[[], float],
+                seed: int = 0) -> dict:
     import torch
 
     import gradcompress
@@ -127,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     specs = split_schemes(args.codecs) if args.codecs else default_codecs()
     if not specs:
-        raise CLIError("--codecs is empty")
+        raise CLIError("--schemes is empty")
     valid = ", ".join(gradcompress.available())
     for s in specs:
         try:
@@ -135,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as err:
             msg = " ".join(str(err).split())
             if "unknown codec" in msg:
-                msg = f"unknown codec {s.partition(':')[0].strip()!r}; valid codecs: {valid}"
+                msg = f"unknown codec {scheme_name(s)!r}; valid codecs: {valid}"
             raise CLIError(msg) from None
     if args.in_step:
         from .instep import format_in_step, run_in_step
@@ -168,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     rows = []
-    for spec in tqdm(specs, desc="bench", unit="codec", leave=False, file=sys.stderr):
+    for spec in tqdm(specs, desc="bench", unit="codec", leave=False, file=sys.stderr, disable=not progress_bars()):
         rows.append(bench_codec(spec, x, args.repeats, fp16, now, args.seed))
     result = {"numel": args.numel, "device": str(device), "repeats": args.repeats, "threads": torch.get_num_threads(),
               "fp16_roundtrip_seconds": fp16, "fp16_roundtrip_gbps": in_bytes / fp16 / 1e9 if fp16 else None,
@@ -176,17 +187,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1, allow_nan=False))
     else:
-        print(format_table(result))
+        print(format_bench(result))
     return 0
 
 
-def format_table(result: dict) -> str:
-    head = ("codec", "encode GB/s", "decode GB/s", "x fp16 trip", "ratio", "rel. error")
+def format_bench(result: dict) -> str:
+    head = ("codec", "encode GB/s", "decode GB/s", "enc+dec ms", "x fp16 trip", "payload ratio", "rel. error")
     rows = [head] + [(r["codec"], f(r["encode_gbps"], ".2f"), f(r["decode_gbps"], ".2f"),
+                      f(1000 * (r["encode_seconds"] + r["decode_seconds"]), ".2f"),
                       f(r["vs_fp16_roundtrip"], ".1f"), f(r["compression_ratio"], ".1f"),
                       f(r["relative_error"], ".3g")) for r in result["codecs"]]
     title = (f"{result['numel']:,} float32 values on {result['device']} ({result['threads']} threads), "
              f"median of {result['repeats']}; float16 round trip x.half().float(): "
              f"{1000 * result['fp16_roundtrip_seconds']:.2f} ms ({f(result['fp16_roundtrip_gbps'], '.2f')} GB/s)")
-    return text_table(title, rows, "x fp16 trip: (encode + decode time) / float16 round trip time; ratio: input bytes "
-                      "/ payload bytes; rel. error: ||decode - x|| / ||x||; powersgd on a 4096 x (numel/4096) matrix")
+    return text_table(title, rows, "enc+dec ms: encode + decode time of the tensor; x fp16 trip: (encode + decode "
+                      "time) / float16 round trip time; payload ratio: input bytes / the encoded payload's bytes, one "
+                      "tensor and no exchange (not bytes sent against DDP: a payload all-gathered over W workers is "
+                      "sent W-1 times, DDP's all-reduce sends 2(W-1)/W of the gradient; 'gradcompress demo' and "
+                      "'train' print x fewer bytes than DDP); rel. error: ||decode - x|| / ||x||; powersgd on a 4096 "
+                      "x (numel/4096) matrix")

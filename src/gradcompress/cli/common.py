@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
+
+from ..timing import rate_argument
 
 
 class CLIError(Exception):
     """A problem with the command line or the environment: printed as one line, exit code 2."""
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err: BaseException | str) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
@@ -51,9 +54,27 @@ nonnegative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
 
 
+rate = rate_argument  # an argparse type: a link rate in bit/s (gradcompress.timing.parse_rate)
+
+
+#: the rule every rate option's --help states
+RATE_HELP = ("bits per second: 1gbit = 1Gbps = 1G = 1Gbit/s; bytes per second only with a capital B "
+             "(125MBps = 125MB/s = 1 Gbit/s)")
+
+
+def progress_bars() -> bool:
+    """Whether to draw progress bars: only on a terminal (they go to stderr; a redirected log gets none)."""
+    import sys
+
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
 def split_schemes(values: list[str] | None) -> list[str]:
     """``--schemes`` values, each possibly a ``;``-separated list, flattened (empty items dropped)."""
-    out = []
+    out: list[str] = []
     for v in values or []:
         out.extend(s.strip() for s in v.split(";") if s.strip())
     return out
@@ -69,7 +90,7 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.1f} GB"
 
 
-def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
+def table_lines(rows: Sequence[tuple[str, ...]]) -> list[str]:
     """A text table: the first row is the header (underlined), the first column left-aligned, the rest right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
@@ -85,6 +106,6 @@ def text_table(title: str, rows: list[tuple[str, ...]], legend: str) -> str:
     return "\n".join([title, *table_lines(rows), legend])
 
 
-def fmt(value, spec: str) -> str:
+def fmt(value: object, spec: str) -> str:
     """``format(value, spec)``, or "n/a" for None."""
     return "n/a" if value is None else format(value, spec)

@@ -47,10 +47,12 @@ import os
 import sys
 import threading
 import time
+from typing import Any, TextIO
 
+from ..collectives import ddp_bytes
 from ..scheme import DECOUPLED, ONEBITADAM, scheme_name
-from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int,  # noqa: F401
-                     split_schemes)
+from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int,
+                     progress_bars, split_schemes, table_lines)
 from .report import plot
 from .schemes import check, onebitadam_problem
 from ..testbed.lm import SIZES as LM_SIZES
@@ -81,14 +83,15 @@ LM_STEP_BOUND = {"small": 1.0, "large": 8.0}
 
 
 # --------------------------------------------------------------------------- arguments
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="train a task once per scheme on local workers (digits MLP, or --task lm); table, "
                      "results.json, report.png",
-        description="Train a small MLP on scikit-learn's digits once per compression scheme, on --workers "
-                    "local processes (gloo, loopback), and compare bytes sent, codec time, loss and test "
-                    "accuracy. Writes results.json and report.png into --out. Defaults took 140 s on 2 CPU "
-                    "cores shared with other jobs (README).",
+        description="Train a task once per compression scheme, on --workers local processes (gloo, loopback), and "
+                    "compare bytes sent, codec time, loss and test accuracy. Two tasks: --task digits (default), "
+                    "a small MLP on scikit-learn's digits with SGD; --task lm, a byte-level transformer on Python's "
+                    "documentation with AdamW (validation loss). Writes results.json and report.png into --out. "
+                    "Defaults took 140 s on 2 CPU cores shared with other jobs (README).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Schemes are codec specs (see 'gradcompress bench' for the codecs), 'auto' (the autopilot chooses per bucket), 'onebitadam' or 'decoupled' "
                "(DeMo). A spec "
@@ -127,7 +130,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="evaluate every N steps on rank 0 (lm: validation loss; digits: test accuracy), kept in "
                         "results.json as eval_history (default 0: at the end only)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (none either when stderr is not a terminal: a redirected log)")
     p.add_argument("--faults", action="store_true",
                    help="instead: the fault scenario under torchft (digits, 3 replicas, int8 and powersgd:rank=2, "
                         "each without and with a replica SIGKILLed at step 30 and restarted at step 60); writes "
@@ -145,11 +149,11 @@ class Progress:
 
         self.queue = mp.get_context("spawn").Queue()
         self.names, self.steps, self.enabled = names, steps, enabled
-        self.bars: dict[int, object] = {}
+        self.bars: dict[int, Any] = {}  # tqdm bars
         self.width = max(len(n) for n in names)
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self.thread.start()
         return self
 
@@ -220,14 +224,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"gradcompress demo: {len(configs)} schemes x {args.steps} steps on {args.workers} workers "
           f"({sizes}, batch {batch_size} per worker)", file=sys.stderr)
     start = time.perf_counter()
-    with Progress(schemes, args.steps, enabled=not args.no_progress) as progress:
+    with Progress(schemes, args.steps, enabled=not args.no_progress and progress_bars()) as progress:
         per_rank = launch.run(demo_worker, args.workers, data, configs, progress.queue,
                               timeout=120 + LM_STEP_BOUND[args.lm_size] * args.steps * len(configs))
     runs = [summarize([r[i] for r in per_rank], cfg, args.workers) for i, cfg in enumerate(configs)]
     wall = time.perf_counter() - start
 
     _versus_none(runs, args.task)
-    print(format_table(runs, args.workers))
+    print(printable(format_demo(runs, args.workers)))
     result = {
         "gradcompress": __version__,
         "task": {**_task_info(args.task, data, args.lm_size), "workers": args.workers, "steps": args.steps,
@@ -241,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result, f, indent=1, allow_nan=False)
     png_path = os.path.join(out_dir, "report.png")
     plot(runs, png_path, args.workers)
-    for s in skipped:
-        print(f"skipped {s['scheme']}: {s['reason']}")
+    for skip in skipped:
+        print(f"skipped {skip['scheme']}: {skip['reason']}")
     print(f"wrote {json_path} and {png_path} ({wall:.0f} s)")
     return 0
 
@@ -273,35 +277,84 @@ def _task_info(task: str, data: dict, lm_size: str = "small") -> dict:
 
 
 # --------------------------------------------------------------------------- output
-def format_table(runs: list[dict], workers: int) -> str:
+ARROW = "\u2192"  # auto's row: "auto \u2192 int4 x6"
+
+
+def scheme_label(run: dict) -> str:
+    """The scheme as the tables name it: ``auto`` with the plan it ended with (``auto \u2192 int4 x6``)."""
+    plan = run.get("plan")
+    if plan is None:
+        plan = ((run.get("stats") or {}).get("auto") or {}).get("plan")
+    if not plan:
+        return run["scheme"]
+    parts = sorted(plan.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"{run['scheme']} {ARROW} " + ", ".join(f"{codec} x{count}" for codec, count in parts)
+
+
+def x_fewer(run: dict, workers: int) -> float | None:
+    """``run``'s x fewer bytes per step than DDP (``summarize``'s ``x_fewer_than_ddp``; results written before it
+    existed: from their gradient bytes per step, :func:`gradcompress.collectives.ddp_bytes`)."""
+    if "x_fewer_than_ddp" in run:
+        return run["x_fewer_than_ddp"]
+    raw, sent = run.get("raw_bytes_per_step"), run.get("bytes_per_step")
+    if raw is None or sent is None:
+        return None
+    reference = ddp_bytes(raw, workers)
+    return reference / sent if sent else 1.0 if not reference else None
+
+
+def ddp_footnote(workers: int) -> str:
+    """What "x fewer bytes than DDP" compares with, for the tables' legends."""
+    if workers < 2:
+        return ("x fewer bytes than DDP: DDP's all-reduce of the same gradients / bytes/step (1 worker: neither sends "
+                "anything, 1.0x)")
+    share = 2 * (workers - 1) / workers
+    return (f"x fewer bytes than DDP: what DDP's ring all-reduce of the same gradients sends per worker and step "
+            f"(2(W-1)/W = {share:.2f}x the gradient bytes on {workers} workers) / bytes/step, so dense none reads "
+            f"1.0x (stats()['x_fewer_than_ddp']; DiLoCo sends every H steps: averaged over the run)")
+
+
+def printable(text: str, stream: TextIO | None = None) -> str:
+    """``text`` as ``stream`` (default stdout) can encode it (the arrow as '->' on an ASCII terminal)."""
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+        return text
+    except (UnicodeEncodeError, LookupError):
+        return text.replace(ARROW, "->").encode("ascii", "replace").decode("ascii")
+
+
+def format_demo(runs: list[dict], workers: int, versus_none: bool = True) -> str:
+    """The demo's table (``versus_none=False``: without the comparison with ``none``, as ``train`` prints it)."""
     def f(v, fmt, none="n/a"):
         return none if v is None else format(v, fmt)
 
     lm = any(r.get("val_loss") is not None for r in runs)
-    head = ("scheme", "bytes/step", "ratio", "codec %", "train loss", "val loss" if lm else "test acc", "vs none")
+    head = ("scheme", "bytes/step", "x fewer bytes than DDP", "ms/step", "codec %", "train loss",
+            "val loss" if lm else "test acc") + (("vs none",) if versus_none else ())
     rows = [head]
     for r in runs:
         metric = f(r["val_loss"], ".4f") if lm else f(r["test_accuracy"], ".2f") + "%"
         delta = f(r.get("val_loss_vs_none_pct"), "+.1f", "") + ("%" if r.get("val_loss_vs_none_pct") is not None
                                                                 else "") if lm else \
             f(r.get("accuracy_delta_vs_none"), "+.2f", "")
-        rows.append((r["scheme"], human_bytes(r["bytes_per_step"]), f(r["ratio"], ".1f"),
+        fewer = x_fewer(r, workers)
+        step = r.get("step_seconds")
+        rows.append((scheme_label(r), human_bytes(r["bytes_per_step"]),
+                     "n/a" if fewer is None else f"{fewer:.1f}x",
+                     f(None if step is None else 1000 * step, ".1f"),
                      f(None if r["codec_share"] is None else 100 * r["codec_share"], ".1f"),
-                     f(r["final_train_loss"], ".4f"), metric, delta))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append(f"bytes/step: bytes each worker transmitted per step (ring-counted, warm-up included); "
-                 f"ratio: gradient bytes / transmitted bytes (stats()['ratio']; dense all-reduce on {workers} "
-                 f"workers is {workers / (2 * (workers - 1)):.2f})" if workers > 1 else
-                 "bytes/step: bytes transmitted per step; ratio: gradient bytes / transmitted bytes")
-    lines.append("codec %: encode/decode/state time (stats()['codec_seconds']) as a share of the step time; " + (
-        "train loss: mean of the last 20 minibatches; val loss: next-byte cross-entropy (nats) on the held-out "
-        "split; vs none: validation loss difference in %" if lm else
-        "train loss: over the whole training split after the last step; vs none: test accuracy difference in "
-        "points"))
+                     f(r["final_train_loss"], ".4f"), metric) + ((delta,) if versus_none else ()))
+    lines = [line.rstrip() for line in table_lines(rows)]
+    lines.append("bytes/step: bytes each worker transmitted per step (ring-counted, warm-up included); "
+                 + ddp_footnote(workers))
+    lines.append("ms/step: wall time of a training step (mean over steps and workers); codec %: encode/decode/state "
+                 "time (stats()['codec_seconds']) as a share of the step time; " + (
+                     "train loss: mean of the last 20 minibatches; val loss: next-byte cross-entropy (nats) on the "
+                     "held-out split" + ("; vs none: validation loss difference in %" if versus_none else "") if lm
+                     else "train loss: over the whole training split after the last step" +
+                     ("; vs none: test accuracy difference in points" if versus_none else "")))
+    if any(scheme_label(r) != r["scheme"] for r in runs):
+        lines.append(f"auto {ARROW} PLAN: the plan auto ended with, each codec x its count as "
+                     "stats()['auto']['plan'] gives it")
     return "\n".join(lines)

@@ -13,11 +13,12 @@ import argparse
 import json
 import os
 import tempfile
+from typing import Any
 
 from .common import CLIError, check_out_dir
 
 #: the demo's scenario: 3 replicas, 120 steps, replica 2 killed at step 30 and restarted at step 60
-DEMO = {"replicas": 3, "steps": 120, "kill_at": 30, "restart_at": 60, "lr": 0.2, "hidden": 64}
+DEMO: dict[str, Any] = {"replicas": 3, "steps": 120, "kill_at": 30, "restart_at": 60, "lr": 0.2, "hidden": 64}
 DEMO_SCHEMES = ("int8", "powersgd:rank=2")
 
 
@@ -55,7 +56,7 @@ def _check_scheme(args: argparse.Namespace) -> None:
         raise CLIError("--fault-tolerant runs the digits task on DDP: --fsdp, --diloco and --task lm do not apply")
 
 
-def run_one(spec: str, where: str, *, kill: bool, lighthouse=None, **scenario) -> dict:
+def run_one(spec: str, where: str, *, kill: bool, lighthouse: str | None = None, **scenario: Any) -> dict:
     from ..testbed import faults
 
     cfg = dict(scenario)

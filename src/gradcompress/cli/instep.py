@@ -16,13 +16,17 @@ network is as fast as this machine's memory and the overhead of the step shows):
   every recycled buffer exists). Measured from the process's resident set (Linux:
   ``VmHWM`` reset through ``/proc/self/clear_refs``; the workers run with glibc's
   ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set); elsewhere
-  they are ``None``.
+  they are ``None``;
+* ``host syncs``: host synchronisations of one more, untimed step (:class:`gradcompress.testbed.host_syncs.HostSyncs`:
+  ``.item()``, ``bool(tensor)``, ``tolist()``, ``nonzero`` and the other ops after which the host waits for a GPU),
+  with the CPU's fused kernels off: the path a CUDA step takes (on the CPU nothing waits).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any, cast
 
 from .common import fmt as f
 from .common import text_table
@@ -48,6 +52,16 @@ def _reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def _host_syncs(comp, params) -> int:
+    """Host synchronisations of one step on the path CUDA takes (the CPU's fused kernels off)."""
+    from ..codecs import fast
+    from ..testbed.host_syncs import HostSyncs
+
+    with fast.use(False), HostSyncs() as syncs:
+        comp.synchronize(params)
+    return syncs.count
 
 
 def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices: int, repeats: int,
@@ -83,7 +97,7 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
         fn()
         return time.perf_counter() - start
 
-    out = {"grad_bytes": grad_bytes, "schemes": []}
+    out: dict[str, Any] = {"grad_bytes": grad_bytes, "schemes": []}
     dense_times = []
     for spec in specs:
         comp = gradcompress.Compressor(spec)
@@ -91,7 +105,7 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
         dist.barrier()
         before = _rss_kb("VmRSS")
         comp.synchronize(params)  # the first step: allocates the state
-        state_kb = None if before is None or not memory else _rss_kb("VmRSS") - before
+        state_kb = None if before is None or not memory else cast(int, _rss_kb("VmRSS")) - before  # read before
         times, peaks, helds = [], [], []
         for _ in range(repeats):
             dense_times.append(timed(dense))
@@ -102,15 +116,18 @@ def in_step_worker(rank: int, world: int, specs: list[str], size: int, matrices:
             start = time.perf_counter()
             comp.synchronize(params)
             times.append(time.perf_counter() - start)
-            if tracked:
-                peaks.append(_rss_kb("VmHWM") - held)
-                helds.append(held - before)
+            if tracked:  # /proc/self/status was read (held and before are numbers)
+                peaks.append(cast(int, _rss_kb("VmHWM")) - cast(int, held))
+                helds.append(cast(int, held) - cast(int, before))
+        fresh()
+        syncs = None if memory else _host_syncs(comp, params)
         out["schemes"].append({
             "scheme": spec, "error_feedback": comp.error_feedback, "step_seconds": statistics.median(times),
             "state_x": None if state_kb is None else max(0, state_kb) * 1024 / grad_bytes,
             "peak_x": peaks[-1] * 1024 / grad_bytes if peaks else None,  # the last: buffers are recycled by then
             "held_x": max(0, helds[-1]) * 1024 / grad_bytes if helds else None,
             "wire_bytes_per_step": comp.stats()["wire_bytes"] / comp.stats()["steps"],
+            "host_syncs_per_step": syncs,
         })
         del comp
     out["dense_seconds"] = statistics.median(dense_times)
@@ -145,9 +162,10 @@ def run_in_step(specs: list[str], workers: int, size: int, matrices: int, repeat
 
 
 def format_in_step(result: dict) -> str:
-    head = ("scheme", "step ms", "x dense", "held x grad", "peak x grad", "sent/step")
+    head = ("scheme", "step ms", "x dense", "held x grad", "peak x grad", "sent/step", "host syncs/step")
     rows = [head] + [(r["scheme"], f(1000 * r["step_seconds"], ".1f"), f(r["vs_dense"], ".2f"), f(r["held_x"], ".2f"),
-                      f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB") for r in result["schemes"]]
+                      f(r["peak_x"], ".2f"), f"{r['wire_bytes_per_step'] / 1e6:.1f} MB", f(r["host_syncs_per_step"], "d"))
+                     for r in result["schemes"]]
     title = (f"{result['workers']} gloo workers on loopback, {result['matrices']} float32 gradients of "
              f"{result['size']} x {result['size']} ({result['grad_bytes'] / 1e6:.1f} MB), median of "
              f"{result['repeats']} steps; dense all_reduce of the same gradients: "
@@ -155,7 +173,9 @@ def format_in_step(result: dict) -> str:
     return text_table(title, rows, "step: Compressor.synchronize (library defaults); x dense: step / dense all_reduce "
                       "time; held: memory the compressor keeps between steady steps (state and reused buffers); peak: "
                       "highest extra memory during a steady step (the 4th) above that; both in multiples of the "
-                      "gradients' bytes (resident set, Linux)")
+                      "gradients' bytes (resident set, Linux); host syncs: "
+                      "of one more step, ops after which a GPU step's host waits (.item(), tolist(), nonzero...), "
+                      "counted on the path CUDA takes")
 
 
 # --------------------------------------------------------------------------- against PyTorch's own DDP hooks
@@ -202,7 +222,7 @@ def ddp_worker(rank: int, world: int, size: int, layers: int, batch: int, repeat
     for ddp in models:  # warm-up: dense steps of the schedules, state allocation
         for _ in range(3):
             step(ddp)
-    times = [[] for _ in models]
+    times: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
         for i, ddp in enumerate(models):
             times[i].append(step(ddp))

@@ -23,7 +23,8 @@ from ..testbed.models import checked as checked_model
 from ..testbed.netbench import (COMPRESSOR_WARMUP, FSDP_BASELINE, FSDP_SCHEMES, MIN_WARMUP, NODE_SCHEMES, NOSEND,
                                 bench)
 from ..testbed.netbench_fsdp import NODE_FSDP_SCHEMES, split as split_fsdp_scheme
-from .common import CLIError, human_bytes, positive_int, split_schemes, table_lines
+from .common import RATE_HELP, CLIError, human_bytes, positive_int, rate, split_schemes, table_lines
+from .demo import scheme_label
 from .schemes import check_schemes
 
 #: --nodes x --workers-per-node at most
@@ -38,21 +39,12 @@ def _workers(text: str) -> int:
     return v
 
 
-def _rate(text: str) -> float:
-    from ..costmodel import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def _change(text: str) -> tuple[int, float]:
     """``STEP:RATE`` of ``--change``: a timed step (an integer >= 0) and a rate."""
-    step, sep, rate = str(text).partition(":")
+    step, sep, value = str(text).partition(":")
     if not sep or not step.strip().isdigit():
         raise argparse.ArgumentTypeError(f"--change must be STEP:RATE (e.g. 10:100mbit), got {text!r}")
-    return int(step), _rate(rate)
+    return int(step), rate(value)
 
 
 def _duration(text: str) -> float:
@@ -64,7 +56,7 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     from ..costmodel import DEFAULT_SCHEMES
 
     p = sub.add_parser(
@@ -100,8 +92,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "workers talking over the namespace's loopback")
     p.add_argument("--workers-per-node", type=positive_int, default=None, metavar="G",
                    help=f"workers per node with --nodes (default 1; N x G at most {MAX_NODE_WORKERS})")
-    p.add_argument("--bandwidth", type=_rate, default=_rate("1gbit"), metavar="RATE",
-                   help="link rate per host and direction, tc notation: 100mbit, 1gbit, 10gbit (default 1gbit)")
+    p.add_argument("--bandwidth", type=rate, default=rate("1gbit"), metavar="RATE",
+                   help=f"link rate per host and direction, in {RATE_HELP} (default 1gbit)")
     p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
                    help="one-way delay added on each host's egress with netem, e.g. 1ms (default 0: none; "
                         "needs the netem qdisc in the kernel)")
@@ -128,7 +120,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(gradcompress.register_fsdp). Default schemes: " + "; ".join(FSDP_SCHEMES))
     p.add_argument("--change", type=_change, default=None, metavar="STEP:RATE",
                    help="reshape every host's uplink to RATE with tc before timed step STEP (a link that drops or "
-                        "recovers mid-run; e.g. 10:100mbit); back to --bandwidth after each scheme")
+                        "recovers mid-run; e.g. 10:100mbit; RATE read as --bandwidth); back to --bandwidth after each scheme")
     p.add_argument("--accelerator", action="store_true",
                    help="emulate an accelerator: each step's forward and backward are a timed wait of the compute "
                         "time measured alone (the CPU left idle, as on a GPU) and the real gradients, so the codecs "
@@ -147,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     why = netns.problem()
     if why:
         raise CLIError(why)
-    hosts, per_node = layout(args)
+    hosts, per_node = host_layout(args)
     nodes = per_node > 1
     defaults = (NODE_FSDP_SCHEMES if nodes else FSDP_SCHEMES) if args.fsdp else \
         NODE_SCHEMES if args.nodes else DEFAULT_SCHEMES
@@ -174,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1, allow_nan=False))
     else:
-        print(format_table(result))
+        print(format_netbench(result))
     return 0
 
 
-def layout(args: argparse.Namespace) -> tuple[int, int]:
+def host_layout(args: argparse.Namespace) -> tuple[int, int]:
     """(hosts, workers per host) from ``--workers`` or ``--nodes``/``--workers-per-node``; ``CLIError`` (one line)
     for a mix of the two or too many workers."""
     if args.nodes is None:
@@ -224,7 +216,7 @@ def node_ratios(result: dict) -> dict:
                    "x_flat": over(name, flat_twin(name)) if flat_twin(name) else None} for name in rows}
 
 
-def format_node_table(result: dict) -> str:
+def format_netbench_nodes(result: dict) -> str:
     """The --nodes report: per scheme the topology it ran, step time, speed-up, each node's uplink bytes (its tx
     counter) next to the node's workers' ``inter_node_bytes``, and the uplink ratios to DDP, fp16 and its flat twin."""
     ratios = node_ratios(result)
@@ -257,18 +249,19 @@ def format_node_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def format_table(result: dict) -> str:
+def format_netbench(result: dict) -> str:
     """The report of :func:`gradcompress.testbed.netbench.bench`'s result: per host, per node, or FSDP on nodes."""
     if result.get("workers_per_node", 1) > 1 and result.get("fsdp"):
         return format_fsdp_node_table(result)
     if result.get("workers_per_node", 1) > 1:
-        return format_node_table(result)
+        return format_netbench_nodes(result)
     head = ("scheme", "step ms", "speed-up", "iface B/step", "wire B/step", "iface/wire", "codec ms", "wait ms",
             "buckets")
     rows = [head]
     for r in result["schemes"]:
         wire = human_bytes(r["wire_bytes_per_step"]) + (" (model)" if r["wire_bytes_source"] == "model" else "")
-        rows.append((r["scheme"], f"{1e3 * r['median_step_s']:.1f}",
+        label = scheme_label({"scheme": r["scheme"], "plan": (r.get("auto") or {}).get("plan")})  # auto's plan
+        rows.append((label, f"{1e3 * r['median_step_s']:.1f}",
                      "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
                      human_bytes(r["iface_tx_bytes_per_step"]), wire,
                      "n/a" if r["iface_over_wire"] is None else f"{r['iface_over_wire']:.3f}",

@@ -13,10 +13,13 @@ compressed element; and, for the pass-count fallback and the PyTorch hooks, ``en
 ``decode`` of each codec on ``--calibration-numel`` elements and one elementwise pass,
 scaled linearly. ``--calibration FILE`` saves it (or reuses a saved one). Prints,
 per scheme, the bytes each worker sends per step, communication and codec time, the
-predicted step time and the speed-up over uncompressed DDP, and which schemes pay off.
+predicted step time and the speed-up over uncompressed DDP, and which schemes pay off; every number with its unit.
+``--auto``: the plan the autopilot would keep (:func:`gradcompress.costmodel.predict_auto`) and its steady step timed
+as the fixed rows, so a plan of one codec reads that codec's row; its one-off measuring steps are stated apart.
 
 The model's tensors: ``--model`` (a ``netbench`` model, exact shapes) or ``--params P``
-(P elements as ``--matrix-side`` square matrices). ``--compute-ms``: one step of one worker
+(P elements as ``--matrix-side`` square matrices, 2048 by default, smaller for a model that does not hold one:
+the largest square it holds; the table's first line states the shapes assumed). ``--compute-ms``: one step of one worker
 without communication, best measured under DDP with a hook that sends nothing (``netbench``
 reports it), so that DDP's own copies are in it; 2/3 of it is the backward pass that
 communication can hide under. ``--per-message-us``: the software cost of one message step
@@ -35,20 +38,28 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .common import CLIError, _checked, human_bytes, one_line, positive_float, positive_int, split_schemes, table_lines
+from .common import RATE_HELP, CLIError, _checked, human_bytes, one_line, positive_float, positive_int, split_schemes, table_lines
+
+if TYPE_CHECKING:
+    from ..costmodel import AutoPrediction, Prediction, Speeds
 
 CALIBRATION_NUMEL = 4 * 1024 * 1024
 MATRIX_ROWS = 2048
+#: ``--params``: the side of the square matrices assumed (smaller where the model holds fewer parameters)
+MATRIX_SIDE = 2048
 
 
 _nonnegative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     from ..costmodel import DEFAULT_SCHEMES, FRAMING_EFFICIENCY, INTRA_NODE_RATE_BIT, SOFTWARE_ALPHA
     from ..testbed.models import MODELS
-    from .netbench import _duration, _rate
+    from .common import rate as _rate
+    from .netbench import _duration
 
     p = sub.add_parser(
         "plan", help="predict step time per scheme for a model size, worker count and network (alpha-beta model)",
@@ -66,11 +77,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=positive_float, metavar="P", help="number of parameters (e.g. 12.6e6)")
     size.add_argument("--model", choices=MODELS, help="a netbench model (its exact tensor shapes)")
-    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                   help="data-parallel workers, each behind its own link (or give --nodes)")
-    p.add_argument("--nodes", type=positive_int, default=None, metavar="N",
-                   help="nodes of --workers-per-node workers sharing one uplink (--bandwidth); plan then shows each "
-                        "scheme flat and hierarchical and says which pays")
+    layout = p.add_mutually_exclusive_group(required=True)
+    layout.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                        help="data-parallel workers, each behind its own link (required, or give --nodes)")
+    layout.add_argument("--nodes", type=positive_int, default=None, metavar="N",
+                        help="nodes of --workers-per-node workers sharing one uplink (--bandwidth); plan then shows "
+                             "each scheme flat and hierarchical and says which pays")
     p.add_argument("--workers-per-node", type=positive_int, default=None, metavar="G",
                    help="workers per node with --nodes (default 1)")
     p.add_argument("--intra-bandwidth", type=_rate, default=INTRA_NODE_RATE_BIT, metavar="RATE",
@@ -78,7 +90,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"{INTRA_NODE_RATE_BIT / 1e9:g}gbit = {INTRA_NODE_RATE_BIT / 8e9:g} GB/s, NVLink-class; "
                         "PCIe 4.0 x16 is about 250gbit)")
     p.add_argument("--bandwidth", type=_rate, required=True, metavar="RATE",
-                   help="link rate per worker (with --nodes: per node uplink) and direction: 100mbit, 1gbit, ...")
+                   help=f"link rate per worker (with --nodes: per node uplink) and direction, in {RATE_HELP}")
     p.add_argument("--latency", type=_duration, default=0.0, metavar="TIME",
                    help="one-way latency, e.g. 1ms (default 0); each message step also costs "
                         f"--per-message-us (default {SOFTWARE_ALPHA * 1e6:g} us)")
@@ -92,8 +104,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --cores: the measured slowdown of work when all workers run at once (netbench "
                         "reports it) instead of workers*threads/cores; the calibration then runs alone")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--matrix-side", type=positive_int, default=2048,
-                   help="with --params: the tensors are matrices of this many rows and columns (default 2048)")
+    p.add_argument("--matrix-side", type=positive_int, default=MATRIX_SIDE,
+                   help=f"with --params: the tensors are square matrices of this side (default {MATRIX_SIDE}; "
+                        "smaller when the model holds fewer parameters: the largest square it holds), the rest one "
+                        "matrix of that many rows and a vector; the output states the shapes assumed")
     p.add_argument("--per-message-us", type=_nonnegative_float, default=SOFTWARE_ALPHA * 1e6,
                    help=f"software cost per message step, us (default {SOFTWARE_ALPHA * 1e6:g})")
     p.add_argument("--efficiency", type=positive_float, default=FRAMING_EFFICIENCY,
@@ -108,8 +122,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--calibration-numel", type=positive_int, default=CALIBRATION_NUMEL,
                    help=f"elements timed per codec in the calibration (default {CALIBRATION_NUMEL})")
     p.add_argument("--auto", nargs="?", const="auto", default=None, metavar="SPEC",
-                   help="add what 'auto' (or an auto:... spec, e.g. auto:budget=any) would choose per DDP bucket for "
-                        "these numbers, and its predicted step (the autopilot's own decision)")
+                   help="add the plan 'auto' (or an auto:... spec, e.g. auto:budget=any) would keep per DDP bucket "
+                        "for these numbers (its model's plan and its selection among it, dense and one codec "
+                        "everywhere, on the fixed rows' costs) and that plan's steady step, timed as the fixed rows "
+                        "(a plan of one codec reads that codec's row); the one-off cost of its measuring steps is "
+                        "shown apart")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -127,7 +144,7 @@ def _min_time(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, repeats: int = 3):
+def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, repeats: int = 3) -> Speeds:
     """Per-element encode/decode costs of ``codecs`` and of one elementwise pass, on this machine."""
     import torch
 
@@ -150,8 +167,9 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
                 cols = max(1, numel // MATRIX_ROWS)
                 t = x[: MATRIX_ROWS * cols].view(MATRIX_ROWS, cols)
             payload = codec.encode(t, seed=0)
-            enc[codec.spec] = _min_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()
-            dec[codec.spec] = _min_time(lambda: codec.decode(payload), repeats) / t.numel()
+            # the lambdas are timed at once, in this iteration: no late binding
+            enc[codec.spec] = _min_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()  # noqa: B023
+            dec[codec.spec] = _min_time(lambda: codec.decode(payload), repeats) / t.numel()  # noqa: B023
         return Speeds(elementwise=ew, encode=enc, decode=dec)
     finally:
         torch.set_num_threads(old)
@@ -208,7 +226,7 @@ def calibrate_phases(codecs: list, workers: int, shapes: list, threads: int = 1,
                 n = sum(cm.numel_of(shapes[i]) for b in buckets for i in b if cm._compressible(scheme, shapes[i]))
                 runs = runs[1:]  # the first step has no residual yet
                 out[key] = [min(r[k] for r in runs) / max(1, n) for k in range(len(runs[0]))]
-            except Exception as err:  # noqa: BLE001 - a calibration, not a test: fall back to pass counts
+            except Exception as err:  # any failure: a calibration, not a test: fall back to pass counts
                 print(f"plan: could not time the Compressor with {codec.spec} ({type(err).__name__}: {err}); "
                       "using encode/decode pass counts", file=sys.stderr)
         return out
@@ -224,7 +242,7 @@ def _calibrate_one(codec_specs: list[str], workers: int, numel: int, threads: in
     return dataclasses.replace(speeds, phases=calibrate_phases(codecs, workers, shapes, threads))
 
 
-def calibrate_all(codecs: list, workers: int, numel: int, threads: int, shapes: list, busy: int = 1):
+def calibrate_all(codecs: list, workers: int, numel: int, threads: int, shapes: list, busy: int = 1) -> Speeds:
     """:func:`calibrate` and :func:`calibrate_phases`; with ``busy`` > 1, in that many processes at once
     (workers sharing cores also share the memory bandwidth and caches) and averaged."""
     specs = [c.spec for c in codecs]
@@ -273,8 +291,8 @@ def run(args: argparse.Namespace) -> int:
     from ..testbed.models import model_shapes
     from .schemes import check_schemes
 
-    schemes = [cm.parse_scheme(s) for s in check_schemes(split_schemes(args.schemes) if args.schemes
-                                                           else list(cm.DEFAULT_SCHEMES))]
+    schemes = [cm.modelled_scheme(s) for s in check_schemes(split_schemes(args.schemes) if args.schemes
+                                                              else list(cm.DEFAULT_SCHEMES))]
     if not schemes:
         raise CLIError("--schemes is empty")
     _check_layout(args)
@@ -283,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if params < 1:
             raise CLIError("--params must be at least 1")
         shapes = cm.square_shapes(params, args.matrix_side)
-        size_text = f"{params:,} parameters as {args.matrix_side}x{args.matrix_side} matrices"
+        size_text = f"{params:,} parameters, assumed as {describe_shapes(shapes)} (--model for a model's own shapes)"
     else:
         shapes = model_shapes(args.model)
         size_text = f"model {args.model} ({sum(cm.numel_of(s) for s in shapes):,} parameters)"
@@ -299,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
     contention = max(1.0, args.workers * args.threads / args.cores) if args.cores else 1.0
     if args.contention is not None:
         contention = args.contention
-    codecs = [c for c in (cm.speed_codec(s) for s in schemes) if c is not None]
+    timed = schemes + (cm.auto_candidates(args.auto) if args.auto is not None else [])  # auto's plan: timed as these
+    codecs = [c for c in (cm.speed_codec(s) for s in timed) if c is not None]
     busy = min(args.cores, args.workers) if args.cores and args.contention is None else 1
     speeds = _load_calibration(args.calibration, codecs, args.workers) if args.calibration else None
     if speeds is None:
@@ -319,9 +338,13 @@ def run(args: argparse.Namespace) -> int:
                         software_alpha=args.per_message_us / 1e6,
                         host_limit=None if args.host_limit is None else args.host_limit / 8)
              for s in schemes]
+    auto = None
     if args.auto is not None:
-        preds.append(cm.predict_auto(args.auto, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3,
-                                     args.latency, contention, args.efficiency, args.per_message_us / 1e6))
+        auto = cm.predict_auto(args.auto, shapes, args.workers, args.bandwidth, args.compute_ms / 1e3, speeds,
+                               latency_s=args.latency, contention=contention, efficiency=args.efficiency,
+                               software_alpha=args.per_message_us / 1e6,
+                               host_limit=None if args.host_limit is None else args.host_limit / 8)
+        preds.append(auto.prediction)
     preds = cm.with_speedups(preds)
     result = {
         "workers": args.workers, "bandwidth_bit": args.bandwidth, "latency_s": args.latency,
@@ -333,7 +356,43 @@ def run(args: argparse.Namespace) -> int:
                         "compressor_phase_s_per_elem": speeds.phases},
         "predictions": [dataclasses.asdict(p) for p in preds],
     }
-    return emit(result, args.json, format_table)
+    if auto is not None:
+        result["auto"] = auto_summary(auto)
+    return emit(result, args.json, format_plan)
+
+
+#: ``plan --auto``: the steps over which auto's one-off measuring is spread in the table's note
+AMORTISED_STEPS = 1000
+
+
+def auto_summary(auto: AutoPrediction) -> dict:
+    """``plan --auto``'s JSON ``auto``: the plan it keeps per bucket and its steady step (``step_s``, the table's row);
+    what it runs before: its dense measuring steps and the plans its selection runs (``proposals``, each with its
+    predicted step), and their one-off cost over the kept plan's step, in all and spread over
+    :data:`AMORTISED_STEPS` steps."""
+    return {"scheme": auto.prediction.scheme, "plan": list(auto.plan), "step_s": auto.prediction.step_s,
+            "measuring_steps": auto.measuring_steps, "measuring_step_s": auto.dense.step_s,
+            "proposals": [{"plan": list(p), "step_s": t} for p, t in auto.proposals],
+            "selection_steps_per_plan": auto.selection_steps, "one_off_s": auto.one_off_s,
+            "amortised_over_steps": AMORTISED_STEPS, "amortised_s_per_step": auto.one_off_s / AMORTISED_STEPS}
+
+
+def describe_shapes(shapes: list) -> str:
+    """``[(2048, 2048)] * 5 + [(2048, 1967), (64,)]``: "5 matrices 2048x2048, 1 matrix 2048x1967 and a vector of 64"
+    (runs of equal shapes counted)."""
+    runs: list[list] = []
+    for s in shapes:
+        if runs and runs[-1][0] == tuple(s):
+            runs[-1][1] += 1
+        else:
+            runs.append([tuple(s), 1])
+    parts = []
+    for shape, n in runs:
+        if len(shape) == 1:
+            parts.append(f"{n} vectors of {shape[0]:,}" if n > 1 else f"a vector of {shape[0]:,}")
+        else:
+            parts.append(f"{n} {'matrices' if n > 1 else 'matrix'} {'x'.join(str(d) for d in shape)}")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _check_auto(spec: str, nodes) -> None:
@@ -364,7 +423,8 @@ def _check_layout(args: argparse.Namespace) -> None:
     args.workers = args.nodes * args.workers_per_node
 
 
-def node_predictions(args: argparse.Namespace, schemes: list, shapes: list, speeds, contention: float) -> list:
+def node_predictions(args: argparse.Namespace, schemes: list, shapes: list, speeds: Speeds,
+                     contention: float) -> list[Prediction]:
     """Per scheme the flat prediction and, where the scheme has one, the hierarchical; speed-ups over flat DDP."""
     from .. import costmodel as cm
 
@@ -386,7 +446,7 @@ def node_predictions(args: argparse.Namespace, schemes: list, shapes: list, spee
 def which_pays(preds: list[dict]) -> list[str]:
     """One line per scheme run both ways: hierarchical or flat, by predicted step time and uplink bytes."""
     lines = []
-    by = {}
+    by: dict[str, dict] = {}
     for p in preds:
         by.setdefault(p["scheme"], {})[p["topology"]] = p
     for name, two in by.items():
@@ -407,21 +467,23 @@ def _run_nodes(args: argparse.Namespace, schemes: list, shapes: list, size_text:
               "bandwidth_bit": args.bandwidth, "intra_bandwidth_bit": args.intra_bandwidth, "latency_s": args.latency,
               "compute_s": args.compute_ms / 1e3, "params": sum(math.prod(s) for s in shapes), "size": size_text,
               "contention": contention, "predictions": preds, "which_pays": which_pays(preds)}
-    return emit(result, args.json, format_node_table)
+    return emit(result, args.json, format_plan_nodes)
 
 
-def emit(result: dict, as_json: bool, fmt) -> int:
+def emit(result: dict, as_json: bool, fmt: Callable[[dict], str]) -> int:
     """Print ``result`` as JSON or as ``fmt(result)``; the exit code 0."""
     print(json.dumps(result, indent=1, allow_nan=False) if as_json else fmt(result))
     return 0
 
 
-def format_node_table(result: dict) -> str:
+def format_plan_nodes(result: dict) -> str:
     """``plan --nodes``'s table: per scheme and topology the uplink bytes per node, the bytes one worker sends
     inside its node, the times and the speed-up over flat DDP, then which topology pays per scheme."""
     from ..costmodel import format_rate
 
-    rows = [("scheme", "topology", "uplink/node", "intra/worker", "comm ms", "codec ms", "step ms", "speed-up")]
+    base = "DDP" if any(p["scheme"] == "ddp" for p in result["predictions"]) else "none"
+    rows = [("scheme", "topology", "uplink/node", "intra/worker", "comm (ms/step)", "codec (ms/step)", "step (ms)",
+             f"speed-up (x flat {base})")]
     for p in result["predictions"]:
         rows.append((p["scheme"], p["topology"], human_bytes(p["wire_bytes"]), human_bytes(p["intra_bytes"]),
                      f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}", f"{1e3 * p['step_s']:.1f}",
@@ -432,11 +494,27 @@ def format_node_table(result: dict) -> str:
     lines += table_lines(rows)
     lines += result["which_pays"]
     lines.append("uplink/node: bytes one node's uplink carries per step (flat: gloo's rings in rank order and direct "
-                 "all-to-all); intra/worker: what one worker sends inside its node; speed-up: over flat DDP")
+                 "all-to-all); intra/worker: bytes one worker sends inside its node per step; comm, codec: ms per "
+                 f"step; step: the predicted step, ms; speed-up: flat {base}'s step time / the row's")
     return "\n".join(lines)
 
 
-def verdict(speedup: float | None) -> str:
+def bucket_plan_text(plan: list[str]) -> str:
+    """Auto's plan, the scheme per DDP bucket in the order the gradients are ready: "int4 on 4 buckets", "dense on
+    bucket 1, int4 on buckets 2-4"."""
+    if len(set(plan)) == 1:
+        return f"{'dense' if plan[0] == 'none' else plan[0]} on {len(plan)} bucket{'s' if len(plan) > 1 else ''}"
+    runs: list[list] = []
+    for b, spec in enumerate(plan, 1):
+        if runs and runs[-1][0] == spec:
+            runs[-1][2] = b
+        else:
+            runs.append([spec, b, b])
+    return ", ".join(f"{'dense' if spec == 'none' else spec} on bucket{f' {lo}' if lo == hi else f's {lo}-{hi}'}"
+                     for spec, lo, hi in runs)
+
+
+def speedup_verdict(speedup: float | None) -> str:
     if speedup is None:
         return "n/a"
     if speedup >= 1.05:
@@ -446,32 +524,43 @@ def verdict(speedup: float | None) -> str:
     return f"slower ({1 / speedup:.2f}x the time)"
 
 
-def format_table(result: dict) -> str:
+def format_plan(result: dict) -> str:
     from ..costmodel import format_rate
 
-    head = ("scheme", "sent/step", "comm ms", "codec ms", "step ms", "speed-up", "verdict")
+    preds = result["predictions"]
+    base = "DDP" if any(p["scheme"] == "ddp" for p in preds) else "none"
+    head = ("scheme", "sent/step", "comm (ms/step)", "codec (ms/step)", "step (ms)", f"speed-up (x {base})", "verdict")
     rows = [head]
     for p in result["predictions"]:
         rows.append((p["scheme"], human_bytes(p["wire_bytes"]), f"{1e3 * p['comm_s']:.1f}", f"{1e3 * p['codec_s']:.1f}",
                      f"{1e3 * p['step_s']:.1f}", "n/a" if p["speedup"] is None else f"{p['speedup']:.2f}x",
-                     verdict(p["speedup"]) if p["scheme"] != "ddp" else "baseline"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+                     speedup_verdict(p["speedup"]) if p["scheme"] != "ddp" else "baseline"))
     lat = f", {result['latency_s'] * 1e3:g} ms latency" if result["latency_s"] else ""
     lines = [f"{result['workers']} workers at {format_rate(result['bandwidth_bit'])}{lat}; {result['size']}; "
              f"compute {1e3 * result['compute_s']:g} ms/step"
              + (f"; codec work x{result['contention']:.2f} (shared cores)" if result["contention"] > 1 else "")]
-    for k, r in enumerate(rows):
-        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table_lines(rows)
     ranked = sorted((p for p in result["predictions"] if p["speedup"] is not None), key=lambda p: -p["speedup"])
     if ranked:
         best = ranked[0]
         pay = [p["scheme"] for p in ranked if p["speedup"] >= 1.05 and p["scheme"] != "ddp"]
-        lines.append(f"best: {best['scheme']}, {best['speedup']:.2f}x uncompressed DDP; pay off (>= 5%): "
+        name = "uncompressed DDP" if base == "DDP" else "ours none (dense)"
+        lines.append(f"best: {best['scheme']}, {best['speedup']:.2f}x {name}'s speed; pay off (>= 5%): "
                      f"{', '.join(pay) if pay else 'none'}")
-    lines.append("sent/step: bytes each worker transmits per step (ring count); comm: the collectives' time on the "
-                 "link (part of it hidden under the backward pass); codec: encode/decode/error-feedback work")
+    if result.get("auto"):
+        a = result["auto"]
+        tried = (f", then runs {len(a['proposals'])} plans {a['selection_steps_per_plan']} steps each ("
+                 + "; ".join(f"{bucket_plan_text(p['plan'])}: {1e3 * p['step_s']:.1f} ms" for p in a["proposals"])
+                 + ") and keeps the fastest") if a["proposals"] else ""
+        lines.append(f"auto: its row is the steady step of the plan it keeps ({bucket_plan_text(a['plan'])}), timed as the "
+                     f"fixed rows. Before: {a['measuring_steps']} dense steps of {1e3 * a['measuring_step_s']:.1f} "
+                     f"ms{tried}: +{1e3 * a['one_off_s']:.1f} ms once, +{1e3 * a['amortised_s_per_step']:.2f} ms/step "
+                     f"over {a['amortised_over_steps']} steps (its later checks' link probes, about 1 % more bytes, "
+                     "not counted)")
+    lines.append(f"sent/step: bytes each worker transmits per step (ring count); comm: ms per step the collectives "
+                 f"take on the link (part of it hidden under the backward pass); codec: ms per step of "
+                 f"encode/decode/error-feedback work; step: the predicted step, ms; speed-up: {base}'s step time / "
+                 f"the row's")
     return "\n".join(lines)
 
 

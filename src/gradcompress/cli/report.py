@@ -14,8 +14,12 @@ canvas directly, so matplotlib's global backend is left as it is.
 from __future__ import annotations
 
 import textwrap
+from typing import TYPE_CHECKING
 
 from .common import human_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: tab10: ten hues far apart (tab20's pairs of a dark and a light shade read as one colour)
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -131,7 +135,7 @@ def _plot_final(ax, runs: list[dict], styles: list[dict]) -> None:
         ax.set(xlabel="test accuracy (%)", ylabel="scheme", title="final test accuracy (higher is better)")
 
 
-def build_figure(runs: list[dict], workers: int):
+def build_figure(runs: list[dict], workers: int) -> Figure:
     """The report as a matplotlib Figure on an Agg canvas: 2x2 data axes and one figure-level legend."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -139,7 +143,8 @@ def build_figure(runs: list[dict], workers: int):
 
     fig = Figure(figsize=(16, 11), layout="constrained")
     FigureCanvasAgg(fig)
-    top, bottom = fig.subfigures(2, 1)  # each row lays out on its own: long scheme names widen only theirs
+    # each row lays out on its own: long scheme names widen only theirs (matplotlib's stubs: a SubFigure or an array)
+    top, bottom = fig.subfigures(2, 1)  # type: ignore[misc]
     ax_step, ax_bytes = top.subplots(1, 2)
     ax_tel, ax_final = bottom.subplots(1, 2)
     styles = scheme_styles(len(runs))
@@ -157,7 +162,7 @@ def build_figure(runs: list[dict], workers: int):
     return fig
 
 
-def plot(runs: list[dict], path: str, workers: int):
+def plot(runs: list[dict], path: str, workers: int) -> Figure:
     """Write the report of ``runs`` (the demo's ``results.json`` runs) to ``path`` as a PNG; return the Figure."""
     fig = build_figure(runs, workers)
     fig.savefig(path, dpi=110)

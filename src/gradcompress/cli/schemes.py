@@ -18,8 +18,13 @@ Under ``--fsdp`` every codec must be one FSDP's reduce-scatter can carry
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..scheme import AUTO, BASELINES, DECOUPLED, ONEBITADAM, Scheme, parse_scheme, scheme_name
 from .common import CLIError, one_line
+
+if TYPE_CHECKING:
+    from ..codecs import Codec
 
 TRAIN, NETBENCH = "train", "netbench"
 COMMANDS = (TRAIN, NETBENCH)
@@ -72,7 +77,7 @@ def valid_schemes() -> str:
     """The scheme names demo and train take, for error messages."""
     import gradcompress
 
-    return ", ".join(gradcompress.available() + [ONEBITADAM, DECOUPLED])
+    return ", ".join([AUTO] + gradcompress.available() + [ONEBITADAM, DECOUPLED])
 
 
 def _unknown(text: str, command: str) -> str:
@@ -81,7 +86,8 @@ def _unknown(text: str, command: str) -> str:
     name = scheme_name(text)
     if command == TRAIN:
         return f"unknown scheme {name!r}; valid schemes: {valid_schemes()}"
-    return f"unknown scheme {name!r}; valid: ddp, torch-fp16, torch-powersgd, {', '.join(gradcompress.available())}"
+    return (f"unknown scheme {name!r}; valid: ddp, torch-fp16, torch-powersgd, {AUTO}, "
+            f"{', '.join(gradcompress.available())}, {DECOUPLED}")
 
 
 def _netbench_name(text: str, fsdp: bool, nodes: bool) -> str | None:
@@ -176,7 +182,7 @@ def is_adam_scheme(scheme: str) -> bool:
     return parsed.kind == ONEBITADAM or parsed.compressed_adam
 
 
-def split_scheme(scheme: str):
+def split_scheme(scheme: str) -> tuple[Codec, dict[str, Any]]:
     """``"sign:bucket=256,momentum=0.9"`` -> (the sign codec with bucket 256, ``{"momentum": 0.9}``).
 
     Options the codec has go to the codec (``dgc:momentum=...`` is DGC's own); the others,

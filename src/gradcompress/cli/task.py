@@ -25,210 +25,42 @@ says what the scheme does not (the task's optimizer, the Compressor options, FSD
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..factory import Run, build, diloco_options
+from ..collectives import ddp_bytes
+from ..factory import build
 from ..optim import DiLoCo
-from ..scheme import AUTO, DECOUPLED, ONEBITADAM, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS, Scheme
+from ..scheme import ONEBITADAM, SCHEME_COMPRESSOR_OPTIONS, SCHEME_OPTIONS
 from ..scheme import scheme_name  # noqa: F401  (the tests read it here)
 from .common import CLIError
-from .schemes import parse
+from .run_config import TASK_NAMES, RunConfig
+
+if TYPE_CHECKING:
+    from ..compressor import Compressor
+    from ..testbed.lm import Windows
 
 IN_FEATURES, CLASSES = 64, 10
+
+
+class ProgressQueue(Protocol):
+    """Where rank 0 reports ``(run index, steps done)``: a (multiprocessing) queue."""
+
+    def put(self, item: tuple[int, int], /) -> None: ...
 
 
 # --------------------------------------------------------------------------- configuration
 #: scheme options that configure the run: ``int4:diloco=25`` trains with DiLoCo, H = 25, int4 outer gradients;
 #: ``topk:ratio=0.01,compressed_adam=true`` trains with CompressedAdam (Adam's momentum through the codec)
 RUN_OPTIONS = SCHEME_OPTIONS
-TASK_NAMES = ("digits", "lm")
 #: scheme options that configure the Compressor rather than the codec (``sign:momentum=0.9``)
 COMPRESSOR_OPTIONS = SCHEME_COMPRESSOR_OPTIONS
-
-
-@dataclasses.dataclass
-class RunConfig:
-    """One training run. ``lr=None`` picks the default for the scheme's optimiser.
-
-    ``scheme`` is a codec spec whose options may also set the Compressor's
-    :data:`COMPRESSOR_OPTIONS` (``sign:momentum=0.9`` is the sign codec with momentum
-    correction); everything not set there is the library's default.
-    """
-
-    scheme: str = "none"
-    steps: int = 300
-    batch_size: int = 32
-    lr: float | None = None
-    momentum: float = 0.9
-    warmup_steps: int = 5
-    error_feedback: bool | str = "auto"
-    min_numel: int = 1024
-    seed: int = 0
-    hidden: int = 256
-    progress_every: int = 5
-    task: str = "digits"
-    monitor_every: int = 0  # Compressor telemetry (the demo plots it)
-    fsdp: bool = False
-    hsdp: int = 0  # with fsdp, > 0: HSDP over nodes of this many workers (replica all-reduce compressed)
-    params: str | None = None  # with fsdp: register_fsdp's params= ("int8", "bf16": the parameter all-gather)
-    diloco: int = 0  # > 0: DiLoCo with this sync_every (inner: the usual optimizer, no DDP)
-    adam_warmup: int | None = None  # onebitadam / compressed_adam: dense Adam steps (None: 20 % of the steps)
-    topology: Any = "auto"  # the Compressor's / optimizer's topology= (an int G: nodes of G workers)
-    eval_every: int = 0  # > 0: rank 0 evaluates every this many steps (lm: validation loss), kept in eval_history
-    lm_size: str = "small"  # lm: the model's size (gradcompress.testbed.lm.SIZES)
-
-    def __post_init__(self) -> None:
-        if self.task not in TASK_NAMES:
-            raise CLIError(f"unknown task {self.task!r}; tasks: {', '.join(TASK_NAMES)}")
-        h = self.parsed().diloco
-        if h is not None:
-            self.diloco = h
-        if self.parsed().inner == "muon" and self.task != "lm":
-            raise CLIError(f"inner=muon runs on the lm task (--task lm), not {self.task}: the digits MLP trains "
-                           "with SGD, whose learning rate is not Muon's")
-        self._check_lm_size()
-
-    def _check_lm_size(self) -> None:
-        from ..testbed.lm import SIZES
-
-        if self.lm_size not in SIZES:
-            raise CLIError(f"unknown lm model size {self.lm_size!r}; sizes: {', '.join(SIZES)}")
-        if self.lm_size != "small" and self.task != "lm":
-            raise CLIError(f"--lm-size {self.lm_size} sizes the lm task's model (--task lm), not {self.task}'s")
-
-    def parsed(self) -> Scheme:
-        """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
-        return parse(self.scheme)
-
-    def kind(self) -> str:
-        """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges), ``"decoupled"`` (DeMo, which
-        exchanges too) or ``"sgd"`` (a Compressor hook)."""
-        scheme = self.parsed()
-        if scheme.kind == DECOUPLED:
-            return DECOUPLED
-        return ONEBITADAM if scheme.kind == ONEBITADAM or scheme.compressed_adam else "sgd"
-
-    def compressor(self):
-        """The :class:`gradcompress.Compressor` arguments of this run: (codec, options)."""
-        scheme = self.parsed()
-        codec, options = scheme.text if scheme.kind == AUTO else scheme.codec, scheme.compressor
-        options.setdefault("error_feedback", self.error_feedback)
-        options.setdefault("min_numel", self.min_numel)
-        if self.topology != "auto":
-            options["topology"] = self.topology
-        return codec, dict(options, warmup_steps=self.warmup_steps, seed=self.seed, monitor_every=self.monitor_every)
-
-    def diloco_options(self) -> dict:
-        """DiLoCo's ``codec``, ``outer`` and ``error_feedback`` for this run (:func:`gradcompress.factory.
-        diloco_options`): ``outer=sparseloco`` with an exact codec (``none:diloco=50,outer=sparseloco``) takes
-        SparseLoCo's own codec."""
-        return diloco_options(self.parsed(), self.compressor()[1]["error_feedback"])
-
-    def run_scheme(self) -> Scheme:
-        """The scheme this run runs: the parsed scheme, with ``--diloco H`` folded in (``diloco=H``)."""
-        scheme = self.parsed()
-        if self.diloco and scheme.kind == "ours":
-            return dataclasses.replace(scheme, diloco=self.diloco)
-        return scheme
-
-    def setting(self, task, device: torch.device) -> Run:
-        """What :func:`gradcompress.factory.build` needs beside the scheme: the task's optimizer and shard units,
-        the Compressor options (:meth:`compressor`), the keywords of DeMo or CompressedAdam, FSDP / HSDP."""
-        kind = self.kind()
-        exchanging = self.demo_options() if kind == DECOUPLED else \
-            {**task.onebitadam_extra(), **self.onebitadam_options()} if kind == ONEBITADAM else {}
-        return Run(optimizer=lambda params: task.optimizer(params, self), options=self.compressor()[1],
-                   exchanging=exchanging, fsdp=self.fsdp, per_node=self.hsdp, params=self.params,
-                   shard_units=task.shard_units, device=device, muon=lambda model: task.muon(model, self))
-
-    def momentum_corrected(self) -> bool:
-        """True when the Compressor keeps the momentum (the optimizer then runs without it)."""
-        if self.kind() != "sgd":
-            return False
-        codec, options = self.compressor()
-        return options.get("momentum", 0) > 0 or (not isinstance(codec, str) and codec.carries_momentum and codec.momentum > 0)
-
-    def optimizer_momentum(self) -> float:
-        return 0.0 if self.momentum_corrected() else self.momentum
-
-    def onebitadam_options(self) -> dict:
-        """Keyword arguments of OneBitAdam, or of CompressedAdam (then with ``codec``)."""
-        scheme = self.parsed()
-        opts = scheme.adam if scheme.kind == ONEBITADAM else {"codec": scheme.codec.spec}
-        opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
-        opts.setdefault("warmup_steps", self.adam_warmup if self.adam_warmup is not None
-                        else max(self.warmup_steps, self.steps // 5))
-        if self.topology != "auto":
-            opts["topology"] = self.topology
-        return opts
-
-    def demo_options(self) -> dict:
-        """Keyword arguments of DeMo: the scheme's, with the lr of the task's Adam (3e-3 lm, 1e-3 digits: DeMo's
-        sign steps are per-coordinate steps like Adam's) unless the scheme or ``lr`` sets it."""
-        opts = self.parsed().demo
-        opts.setdefault("lr", self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 1e-3))
-        if self.topology != "auto":
-            opts["topology"] = self.topology
-        return opts
-
-    def learning_rate(self) -> float:
-        if self.kind() == ONEBITADAM:
-            return float(self.onebitadam_options()["lr"])
-        if self.kind() == DECOUPLED:
-            return float(self.demo_options()["lr"])
-        return self.lr if self.lr is not None else (3e-3 if self.task == "lm" else 0.05)
-
-    def optimizer_text(self) -> str:
-        if self.kind() == DECOUPLED:
-            return demo_text(self.demo_options(), self.task == "lm")
-        if self.kind() == ONEBITADAM:
-            o = self.onebitadam_options()
-            extra = "".join(f", {k}={o[k]:g}" for k in ("eps", "weight_decay", "sync_every", "sync_ramp_steps")
-                            if k in o)
-            lm_extra = ", betas=(0.9, 0.95), cosine" if self.task == "lm" else ""
-            name = f"CompressedAdam(codec={o['codec']!r}, " if "codec" in o else "OneBitAdam("
-            return f"{name}lr={o['lr']:g}, warmup_steps={o['warmup_steps']}{extra}{lm_extra})"
-        outer = f"DiLoCo(H={self.diloco}, outer SGD lr 0.7 Nesterov 0.9) over " if self.diloco else ""
-        if self.diloco and self.parsed().outer == "sparseloco":
-            from ..optim.diloco import SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR
-
-            lr = self.parsed().outer_lr or SPARSELOCO_OUTER_LR
-            outer = (f"DiLoCo(H={self.diloco}, SparseLoCo outer: error feedback decay {SPARSELOCO_ERROR_DECAY:g}, "
-                     f"outer SGD lr {lr:g}, no momentum) over ")
-        if self.diloco and self.parsed().inner == "muon":
-            from ..testbed import lm
-
-            return (f"{outer}Muon(hidden 2-D weights, lr={self.learning_rate():g} scaled to AdamW's RMS, momentum "
-                    f"0.95 Nesterov) + AdamW(the rest, betas=(0.9, 0.95)), weight decay {lm.WEIGHT_DECAY:g}, cosine")
-        if self.task == "lm":
-            beta1 = 0 if self.momentum_corrected() else 0.9
-            return f"{outer}AdamW(lr={self.learning_rate():g}, betas=({beta1:g}, 0.95), cosine)" + \
-                ("; momentum correction in the compressor" if self.momentum_corrected() else "")
-        if self.momentum_corrected():
-            return f"{outer}SGD(lr={self.learning_rate():g}, momentum=0; momentum correction in the compressor)"
-        return f"{outer}SGD(lr={self.learning_rate():g}, momentum={self.momentum:g})"
-
-
-def demo_text(options: dict, cosine: bool) -> str:
-    """``DeMo(lr=0.003, momentum_decay=0.999, chunk=64, topk=32, sign=True, weight_decay=0)``: every option as the
-    run uses it (the scheme's, else DeMo's defaults)."""
-    import inspect
-
-    from ..optim import DeMo
-
-    defaults = {k: v.default for k, v in inspect.signature(DeMo).parameters.items() if k != "params"}
-    shown = {k: options.get(k, defaults[k]) for k in ("lr", "momentum_decay", "chunk", "topk", "sign", "weight_decay")}
-    if options.get("values") is not None:
-        shown["values"] = options["values"]
-    text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-    return f"DeMo({text}{', cosine' if cosine else ''})"
 
 
 # --------------------------------------------------------------------------- data and model
@@ -290,7 +122,7 @@ def evaluate(model: nn.Module, data: dict[str, torch.Tensor]) -> tuple[float, fl
 
 # --------------------------------------------------------------------------- one run
 def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device,
-              progress=None, index: int = 0) -> dict[str, Any]:
+              progress: ProgressQueue | None = None, index: int = 0) -> dict[str, Any]:
     """Train one scheme on this rank (the process group must be initialised); return this rank's record.
 
     ``progress``: a queue that rank 0 feeds with ``(index, steps_done)`` every
@@ -329,12 +161,18 @@ def train_run(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConf
         if cfg.eval_every and rank == 0 and not cfg.fsdp and (step + 1) % cfg.eval_every == 0:
             history.append([step + 1, task.metric(model, data)])
     record: dict[str, Any] = {"rank": rank, "loss": losses, "cumulative_bytes": cum_bytes,
-                              "step_seconds": step_times, "stats": stats_of(), "eval_history": history or None}
+                              "step_seconds": step_times, "stats": stats_of(), "eval_history": history or None,
+                              "gradient_bytes": gradient_bytes(model)}
     if cfg.kind() == "sgd":
-        record["stats"]["error_feedback"] = comp.error_feedback
+        record["stats"]["error_feedback"] = cast("Compressor", comp).error_feedback  # sgd: a Compressor
     if rank == 0 or cfg.fsdp:  # an FSDP forward is a collective: every rank evaluates
         record.update(task.evaluate(model, data, losses))
     return record
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """The bytes of the model's gradients, all of them (sharded parameters: the whole tensors)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 class DigitsTask:
@@ -342,35 +180,35 @@ class DigitsTask:
 
     name = "digits"
 
-    def load(self, seed: int):
+    def load(self, seed: int) -> dict[str, torch.Tensor]:
         return load_data(seed)
 
-    def make_model(self, cfg):
+    def make_model(self, cfg: RunConfig) -> nn.Module:
         return make_model(cfg.seed, cfg.hidden)
 
-    def batches(self, data, rank, world, cfg):
+    def batches(self, data: dict[str, torch.Tensor], rank: int, world: int, cfg: RunConfig) -> Batches:
         return Batches(data["x_train"], data["y_train"], rank, world, cfg.batch_size, cfg.seed)
 
-    def optimizer(self, params, cfg):
+    def optimizer(self, params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=cfg.learning_rate(), momentum=cfg.optimizer_momentum())
 
-    def scheduler(self, optimizer, cfg):
+    def scheduler(self, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> torch.optim.lr_scheduler.LRScheduler | None:
         return None
 
-    def onebitadam_extra(self) -> dict:
+    def onebitadam_extra(self) -> dict[str, Any]:
         return {}
 
-    def loss(self, out, y):
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(out, y)
 
-    def shard_units(self, model):
-        return [m for m in model if isinstance(m, nn.Linear)]
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return [m for m in cast(nn.Sequential, model) if isinstance(m, nn.Linear)]  # make_model's Sequential
 
-    def evaluate(self, model, data, losses):
+    def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor], losses: list[float]) -> dict[str, float]:
         train_loss, acc = evaluate(model, data)
         return {"final_train_loss": train_loss, "test_accuracy": acc}
 
-    def metric(self, model, data) -> float:
+    def metric(self, model: nn.Module, data: dict[str, torch.Tensor]) -> float:
         """What ``eval_every`` records: the test accuracy in percent."""
         return evaluate(model, data)[1]
 
@@ -382,29 +220,29 @@ class LMTask:
 
     name = "lm"
 
-    def load(self, seed: int):
+    def load(self, seed: int) -> dict[str, torch.Tensor]:
         from ..testbed import lm
 
         return lm.load_text()
 
-    def make_model(self, cfg):
+    def make_model(self, cfg: RunConfig) -> nn.Module:
         from ..testbed import lm
 
         return lm.make_model(cfg.seed, cfg.lm_size)
 
-    def batches(self, data, rank, world, cfg):
+    def batches(self, data: dict[str, torch.Tensor], rank: int, world: int, cfg: RunConfig) -> Windows:
         from ..testbed import lm
 
         return lm.Windows(data["train"], rank, cfg.batch_size, cfg.seed)
 
-    def optimizer(self, params, cfg):
+    def optimizer(self, params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
         from ..testbed import lm
 
         beta1 = 0.0 if cfg.momentum_corrected() else lm.BETAS[0]
         return torch.optim.AdamW(params, lr=cfg.learning_rate(), betas=(beta1, lm.BETAS[1]),
                                  weight_decay=lm.WEIGHT_DECAY)
 
-    def muon(self, model, cfg):
+    def muon(self, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
         """``inner=muon``: :func:`gradcompress.optim.muon` with this task's lr, AdamW betas and weight decay (one lr
         for both parts: Muon's update scaled to AdamW's RMS)."""
         from ..optim import muon
@@ -412,42 +250,43 @@ class LMTask:
 
         return muon(model, adamw_lr=cfg.learning_rate(), betas=lm.BETAS, weight_decay=lm.WEIGHT_DECAY)
 
-    def scheduler(self, optimizer, cfg):
+    def scheduler(self, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> torch.optim.lr_scheduler.LRScheduler | None:
         from ..testbed import lm
 
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lm.cosine(s, cfg.steps))
 
-    def onebitadam_extra(self) -> dict:
+    def onebitadam_extra(self) -> dict[str, Any]:
         from ..testbed import lm
 
         return {"betas": lm.BETAS}  # as AdamW's here (its weight decay stays off: OneBitAdam's is L2)
 
-    def loss(self, out, y):
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from ..testbed import lm
 
         return lm.loss_fn(out, y)
 
-    def shard_units(self, model):
-        return list(model.blocks)
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return list(cast(nn.ModuleList, model.blocks))  # lm.ByteGPT's blocks
 
-    def evaluate(self, model, data, losses):
+    def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor], losses: list[float]) -> dict[str, float]:
         from ..testbed import lm
 
         tail = losses[-20:]
         return {"final_train_loss": sum(tail) / len(tail), "val_loss": lm.validation_loss(model, data["val"])}
 
-    def metric(self, model, data) -> float:
+    def metric(self, model: nn.Module, data: dict[str, torch.Tensor]) -> float:
         """What ``eval_every`` records: the validation loss (rank 0's model: between DiLoCo's syncs, its own)."""
         from ..testbed import lm
 
         return lm.validation_loss(model, data["val"])
 
 
-TASKS = {"digits": DigitsTask(), "lm": LMTask()}
+TASKS: dict[str, DigitsTask | LMTask] = {"digits": DigitsTask(), "lm": LMTask()}
 assert tuple(TASKS) == TASK_NAMES
 
 
-def demo_worker(rank: int, world: int, data: dict, configs: list[RunConfig], progress=None) -> list[dict]:
+def demo_worker(rank: int, world: int, data: dict[str, torch.Tensor], configs: list[RunConfig],
+                progress: ProgressQueue | None = None) -> list[dict[str, Any]]:
     """``launch.run`` target: every run of the demo, one after the other, in the same worker processes."""
     out = []
     for i, cfg in enumerate(configs):
@@ -458,7 +297,8 @@ def demo_worker(rank: int, world: int, data: dict, configs: list[RunConfig], pro
     return out
 
 
-def train_worker(rank: int, world: int, data: dict, cfg: RunConfig, device: str = "cpu", progress=None) -> dict:
+def train_worker(rank: int, world: int, data: dict[str, torch.Tensor], cfg: RunConfig, device: str = "cpu",
+                 progress: ProgressQueue | None = None) -> dict[str, Any]:
     """``launch.run`` (or torchrun) target for ``gradcompress train``: one run."""
     return train_run(rank, world, data, cfg, torch.device(device), progress, 0)
 
@@ -470,7 +310,10 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
     ``loss``: per step, mean over ranks; ``cumulative_bytes``: per step, bytes rank 0
     transmitted so far; ``bytes_per_step``: total wire bytes / steps (warm-up included; the gradients', FSDP's
     compressed parameter all-gathers apart in ``param_bytes_per_step``);
-    ``bytes_per_step_compressed``: mean over the steps after the warm-up.
+    ``bytes_per_step_compressed``: mean over the steps after the warm-up; ``ddp_bytes_per_step``: what DDP's ring
+    all-reduce of the model's gradients sends per worker and step (2 (W-1)/W x their bytes,
+    :func:`gradcompress.collectives.ddp_bytes`); ``x_fewer_than_ddp``: that / ``bytes_per_step`` (dense: 1.0;
+    DiLoCo: averaged over the run); ``plan``: what ``auto`` ended with ({codec: count}; None for other schemes).
     """
     r0 = records[0]
     steps = len(r0["loss"])
@@ -486,6 +329,10 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
     if wire is not None and cum and None not in cum and steps > w:
         steady = (cum[-1] - (cum[w - 1] if w > 0 else 0)) / (steps - w)
     ratio = stats.get("ratio")
+    per_step = wire / steps if wire is not None and steps else None
+    grads = r0.get("gradient_bytes")
+    ddp = ddp_bytes(grads, world) if grads is not None else None
+    fewer = None if ddp is None or per_step is None else ddp / per_step if per_step else 1.0 if not ddp else None
     return {
         "scheme": cfg.scheme,
         "optimizer": cfg.optimizer_text(),
@@ -495,11 +342,14 @@ def summarize(records: list[dict], cfg: RunConfig, world: int) -> dict[str, Any]
         "batch_size": cfg.batch_size,
         "warmup_steps": w,
         "error_feedback": stats.get("error_feedback") if kind == "sgd" else None,
-        "bytes_per_step": wire / steps if wire is not None and steps else None,
+        "bytes_per_step": per_step,
         "bytes_per_step_compressed": steady,
         "param_bytes_per_step": stats.get("param_bytes", 0) / steps if steps else None,
         "raw_bytes_per_step": stats["raw_bytes"] / steps if "raw_bytes" in stats and steps else None,
         "ratio": ratio if ratio is None or math.isfinite(ratio) else None,
+        "ddp_bytes_per_step": ddp,
+        "x_fewer_than_ddp": fewer,
+        "plan": (stats.get("auto") or {}).get("plan"),
         "step_seconds": step_seconds / steps if steps else None,
         "codec_seconds": codec,
         "codec_share": codec / step_seconds if codec is not None and step_seconds > 0 else None,

@@ -1,13 +1,14 @@
-"""``gradcompress train``: one training run of the digits task with one scheme.
+"""``gradcompress train``: one training run with one scheme, of the digits MLP or (``--task lm``) the LM.
 
 Locally (no ``RANK``/``WORLD_SIZE`` in the environment) it starts ``--workers`` processes
 with a gloo process group on loopback, on the CPU. Under ``torchrun``::
 
-    torchrun --nnodes=N --nproc-per-node=M -m gradcompress train --codec powersgd:rank=2
+    torchrun --nnodes=N --nproc-per-node=M -m gradcompress train --schemes powersgd:rank=2
 
 it joins the process group torchrun describes (``init_process_group`` with backend
 nccl when CUDA is available, else gloo) and, with CUDA, trains on ``cuda:LOCAL_RANK``.
-Rank 0 prints a one-line summary; with ``--out`` it also writes ``results.json``.
+Rank 0 prints the run's line and the demo's table of its one row (bytes per step, x fewer bytes than DDP,
+ms/step, losses); with ``--out`` it also writes ``results.json``.
 """
 
 from __future__ import annotations
@@ -17,26 +18,34 @@ import json
 import os
 
 from ..scheme import ONEBITADAM, scheme_name
-from .common import CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int
+from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, positive_float, positive_int,
+                     split_schemes)
+from .demo import format_demo, printable
 from .schemes import check, is_adam_scheme, onebitadam_problem
 from .task import TASKS, RunConfig, summarize, train_worker
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "train", help="one training run with one scheme (local workers, or under torchrun)",
-        description="Train the digits MLP with one compression scheme. Without torchrun it starts --workers "
-                    "local processes (gloo, CPU); under torchrun (RANK and WORLD_SIZE set) it joins that "
-                    "process group (nccl and cuda:LOCAL_RANK when CUDA is available, else gloo).",
+        "train", help="one training run with one scheme (digits MLP, or --task lm; local workers, or under "
+                      "torchrun)",
+        description="Train one task with one compression scheme: --task digits (default), a small MLP on "
+                    "scikit-learn's digits with SGD, or --task lm, a byte-level transformer on Python's "
+                    "documentation with AdamW. Without torchrun it starts --workers local processes (gloo, CPU); "
+                    "under torchrun (RANK and WORLD_SIZE set) it joins that process group (nccl and "
+                    "cuda:LOCAL_RANK when CUDA is available, else gloo).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-               "  gradcompress train --codec topk:ratio=0.01 --steps 300\n"
-               "  gradcompress train --codec onebitadam\n"
-               "  gradcompress train --task lm --codec decoupled:topk=32,chunk=64\n"
-               "  gradcompress train --fault-tolerant --codec int8 --replicas 3 --kill-at 30 --restart-at 60\n"
-               "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --codec powersgd:rank=2")
-    p.add_argument("--codec", required=True, metavar="SPEC",
-                   help="codec spec (e.g. int8, topk:ratio=0.01,values=int8, powersgd:rank=2), onebitadam or decoupled (DeMo); "
+               "  gradcompress train --schemes topk:ratio=0.01 --steps 300\n"
+               "  gradcompress train --schemes auto\n"
+               "  gradcompress train --schemes onebitadam\n"
+               "  gradcompress train --task lm --schemes decoupled:topk=32,chunk=64\n"
+               "  gradcompress train --fault-tolerant --schemes int8 --replicas 3 --kill-at 30 --restart-at 60\n"
+               "  torchrun --nnodes=1 --nproc-per-node=4 -m gradcompress train --schemes powersgd:rank=2")
+    p.add_argument("--schemes", "--codec", dest="codec", required=True, metavar="SPEC",
+                   help="the one scheme to train with (--codec: its old name, still read): a codec spec (e.g. int8, "
+                        "topk:ratio=0.01,values=int8, powersgd:rank=2), auto (the autopilot chooses per bucket), "
+                        "onebitadam or decoupled (DeMo); "
                         "Compressor options may follow the codec's (sign:momentum=0.9 is sign with momentum "
                         "correction, the optimizer then runs without momentum); "
                         "CODEC,compressed_adam=true trains with CompressedAdam (Adam's momentum through the codec)")
@@ -94,6 +103,11 @@ def under_torchrun() -> bool:
 def run(args: argparse.Namespace) -> int:
     from ..testbed import launch
 
+    named = split_schemes([args.codec])
+    if len(named) > 1:
+        raise CLIError(f"train runs one scheme, got {len(named)} ({'; '.join(named)}); 'gradcompress demo "
+                       "--schemes' compares several")
+    args.codec = named[0] if named else args.codec  # none: check() says the scheme is empty
     if args.fault_tolerant:
         from . import faults
 
@@ -129,23 +143,25 @@ def run(args: argparse.Namespace) -> int:
         records = launch.run(train_worker, world, data, cfg, timeout=120 + 2.0 * args.steps)
 
     summary = summarize(records, cfg, world)
-    ratio = summary["ratio"]
-    mode = (f" (HSDP, nodes of {cfg.hsdp})" if cfg.hsdp else " (FSDP)") + \
-        (f", params {cfg.params}" if cfg.params else "") if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
-    params_text = f" (+ {human_bytes(summary['param_bytes_per_step'])} of parameters)" if cfg.params else ""
-    metric = (f"validation loss {summary['val_loss']:.4f}" if args.task == "lm" else
-              f"test accuracy {summary['test_accuracy']:.2f}%")
-    print(f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps, {metric}, "
-          f"train loss {summary['final_train_loss']:.4f}, {human_bytes(summary['bytes_per_step'])}/step per worker"
-          f"{params_text}, "
-          f"ratio {'n/a' if ratio is None else f'{ratio:.1f}'}, "
-          f"{1000 * summary['step_seconds']:.1f} ms/step")
+    print(printable(format_summary(summary, cfg, world)))
     if out_dir:
         path = os.path.join(out_dir, "results.json")
         with open(path, "w") as f:
             json.dump({"runs": [summary]}, f, indent=1, allow_nan=False)
         print(f"wrote {path}")
     return 0
+
+
+def format_summary(summary: dict, cfg: RunConfig, world: int) -> str:
+    """The run's line (scheme, layout, workers, steps) over the demo's table of its one row, with its legend."""
+    mode = (f" (HSDP, nodes of {cfg.hsdp})" if cfg.hsdp else " (FSDP)") + \
+        (f", params {cfg.params}" if cfg.params else "") if cfg.fsdp else f" (DiLoCo, H={cfg.diloco})" if cfg.diloco else ""
+    params_text = (f"; + {human_bytes(summary['param_bytes_per_step'])} per step of compressed parameter all-gathers "
+                   "(not in bytes/step)") if cfg.params else ""
+    fsdp_text = ("; FSDP: its gradient reduce-scatter against DDP's all-reduce (a dense reduce-scatter sends half of "
+                 "it: 2.0x; FSDP's parameter all-gathers are not counted)") if cfg.fsdp else ""
+    head = f"{cfg.scheme}{mode}: {world} workers, {summary['steps']} steps{params_text}{fsdp_text}"
+    return head + "\n" + format_demo([summary], world, versus_none=False)
 
 
 def _run_torchrun(cfg: RunConfig):

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -33,7 +34,8 @@ class PayloadError(ValueError):
     skipped everywhere, as ``GradScaler`` expects); the exchanges check what they receive before they use it."""
 
 
-def in_range(positions: torch.Tensor, values: torch.Tensor, numel: int):
+def in_range(positions: torch.Tensor, values: torch.Tensor,
+             numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(positions, values, valid)`` of a received payload's kept entries, safe to add into ``numel`` elements:
     positions outside ``[0, numel)`` become 0 with value 0, ``valid`` is a 0-d bool (no host sync) that says none
     was; counts that differ (a garbled payload) leave nothing to add and ``valid`` False. ``positions``/``values``
@@ -47,6 +49,40 @@ def in_range(positions: torch.Tensor, values: torch.Tensor, numel: int):
 
 
 class Aggregation(enum.Enum):
+    """How the payloads of a codec combine across ranks: the collective the exchange issues for it.
+
+    A codec declares one (its class attribute ``aggregation``), and the exchange layer picks the collective from it
+    alone; every rank then holds the mean of the ranks' decoded tensors. What crosses the wire is always the
+    payloads' ``tensors`` (:class:`Payload`):
+
+    * ``SUM``: payloads of one layout add elementwise, so one all-reduce sums them where they lie (``none``,
+      ``bf16``, ``fp16``, ``randomk``, whose ranks share the kept positions through a shared seed); sent per rank:
+      about twice the payload, as a ring all-reduce.
+    * ``REQUANTIZE``: codes cannot be added as codes; each rank owns a chunk, receives every rank's codes of it
+      (all-to-all), decodes, sums and re-encodes the mean, and sends it back (all-gather): the two-step reduce of
+      ``int8``, ``int4``, ``int2``, ``sign``, ``qsgd``, ``terngrad``; about twice the payload per rank, whatever
+      the world size. The re-encode adds a second quantisation (server error feedback, when on, keeps its error
+      as the chunk owner's residual).
+    * ``GATHER``: payloads of different positions (``topk``, ``dgc``, ``threshold``, ``dct``) are gathered from every
+      rank and decoded one by one: a rank receives (W-1) payloads.
+    * ``LOWRANK``: the exchange drives the codec's rounds itself, two all-reduces of low-rank factors per matrix
+      (``powersgd``, `Vogels et al., 2019 <https://arxiv.org/abs/1905.13727>`_).
+
+    Args:
+        value: the member's value, as ``Aggregation("sum")`` looks it up: ``"sum"``, ``"requantize"``,
+            ``"gather"`` or ``"lowrank"``.
+
+    Example::
+
+        >>> import gradcompress
+        >>> gradcompress.make("int8").aggregation
+        <Aggregation.REQUANTIZE: 'requantize'>
+        >>> [gradcompress.make(name).aggregation.name for name in ("bf16", "topk", "powersgd")]
+        ['SUM', 'GATHER', 'LOWRANK']
+        >>> gradcompress.Aggregation("sum") is gradcompress.Aggregation.SUM
+        True
+    """
+
     SUM = "sum"
     REQUANTIZE = "requantize"
     GATHER = "gather"
@@ -55,14 +91,36 @@ class Aggregation(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Payload:
-    """What a codec produced for one tensor.
+    """What a codec produced for one tensor: the tensors that are sent, and what stays local to rebuild it.
 
-    ``tensors``: the data that travels (and nothing else). ``shape``/``dtype``: the
-    input's, kept locally to rebuild it. ``seed``: the seed used, kept locally (codecs
-    such as randomk regenerate their positions from it instead of sending them).
-    ``device``: the input's device (where an empty tensor decodes to). ``local``: what the
-    encoder derived that a decode would derive again from the metadata (random-k's positions),
-    kept locally to save the work; never sent, and valid for payloads that :meth:`replace` makes.
+    Only ``tensors`` travel, and :attr:`nbytes` counts them (``int8``: one int8 code per element and one float32
+    scale per bucket of 512, 1.008 bytes per element against float32's 4); the rest is this rank's metadata, never
+    sent: a peer's payload is read with the local metadata (:meth:`replace`), since every rank encodes tensors of the
+    same shapes. Whether ``decode(encode(x))`` is biased is the codec's (:attr:`Codec.unbiased`), not the payload's.
+    A payload that a peer sent and that cannot be used (an index out of range, sizes that do not add up) is a
+    :class:`PayloadError` where the exchange reads it.
+
+    Args:
+        tensors: the data that travels, and nothing else (codes, scales, kept values and positions, factors).
+        shape: the input's shape, kept locally to rebuild it.
+        dtype: the input's dtype; ``decode`` returns this dtype.
+        seed: the seed the encode used, kept locally (codecs such as ``randomk`` regenerate their positions from it
+            instead of sending them); None for a deterministic codec.
+        device: the input's device (where an empty tensor decodes to).
+        local: what the encoder derived that a decode would derive again from the metadata (random-k's positions),
+            kept locally to save the work; never sent, not compared, and kept by :meth:`replace`.
+
+    Example::
+
+        >>> import torch, gradcompress
+        >>> payload = gradcompress.make("int8").encode(torch.randn(4, 256))
+        >>> [(t.dtype, t.numel()) for t in payload.tensors]        # what is sent: codes, then one scale per bucket
+        [(torch.int8, 1024), (torch.float32, 2)]
+        >>> payload.nbytes, payload.shape, payload.dtype          # bytes sent; the rest stays local
+        (1032, torch.Size([4, 256]), torch.float32)
+        >>> received = payload.replace(tuple(t.clone() for t in payload.tensors))   # a peer's tensors, local metadata
+        >>> gradcompress.make("int8").decode(received).shape
+        torch.Size([4, 256])
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -70,7 +128,7 @@ class Payload:
     dtype: torch.dtype
     seed: int | None = None
     device: torch.device | None = None
-    local: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    local: tuple[torch.Tensor, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -84,7 +142,7 @@ class Payload:
         """Bytes on the wire: the sum of the sizes of ``tensors``."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def replace(self, tensors: tuple[torch.Tensor, ...]) -> "Payload":
+    def replace(self, tensors: tuple[torch.Tensor, ...]) -> Payload:
         """The same local metadata with other data (e.g. payload tensors received from another rank)."""
         return dataclasses.replace(self, tensors=tuple(tensors))
 
@@ -113,11 +171,51 @@ def fresh_seed() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Base class. Subclasses are frozen dataclasses whose fields are their options.
+    """The base class of codecs: ``encode(x, seed=) -> Payload`` and ``decode(payload) -> Tensor``, nothing sent.
 
-    Subclasses implement ``_encode(flat, seed) -> tuple[Tensor, ...]`` on a contiguous
-    1-D tensor (in the input's dtype) and ``_decode(tensors, numel, seed, device) -> Tensor``
-    returning a 1-D float tensor; the base class handles shapes, dtypes and seeds.
+    A codec compresses one tensor into a :class:`Payload`, whose ``tensors`` are what a step sends (``nbytes``
+    bytes), and back; it is pure (no ``torch.distributed``, no hidden state, randomness only from the seed it is
+    given) and communicates nothing itself: a :class:`gradcompress.Compressor` (DDP's hook, FSDP, DiLoCo) exchanges
+    the payloads with the collective its :attr:`aggregation` names (:class:`Aggregation`). Bias: most codecs are
+    biased (``int8``, ``sign``, ``topk``, ``powersgd``: ``E[decode(encode(x))] != x``) and are used with error
+    feedback, which adds what a step's encode dropped to the next step's gradient (`Karimireddy et al., 2019
+    <https://arxiv.org/abs/1901.09847>`_); the unbiased ones (``qsgd``, `Alistarh et al., 2017
+    <https://arxiv.org/abs/1610.02132>`_; ``terngrad``; ``int8:stochastic=true``) are used without it
+    (:attr:`unbiased`, :attr:`wants_error_feedback`). Sizes and bias of each: ``docs/codecs.md``.
+
+    Writing a codec: a frozen dataclass subclass whose fields are its options; it implements
+    ``_encode(flat, seed) -> tuple[Tensor, ...]`` on a contiguous 1-D tensor (in the input's dtype) and
+    ``_decode(tensors, numel, seed, device) -> Tensor`` returning a 1-D tensor; the base class handles shapes,
+    dtypes, seeds and empty tensors. It declares ``aggregation`` (default ``GATHER``, which any codec may use) and
+    its properties (the class attributes below: ``unbiased``, ``stochastic``, ``fixed_layout``...);
+    ``@gradcompress.spec.register("name")`` makes it reachable from :func:`gradcompress.make` and spec strings.
+    The other methods have reference implementations from these two, which codecs with fused kernels override with
+    the same values.
+
+    Example::
+
+        >>> import dataclasses, torch, gradcompress
+        >>> codec = gradcompress.make("int8")             # a library codec
+        >>> x = torch.randn(1000)
+        >>> payload = codec.encode(x)
+        >>> payload.nbytes, codec.aggregation.name, codec.unbiased
+        (1008, 'REQUANTIZE', False)
+        >>> bool((codec.decode(payload) - x).abs().max() <= x.abs().max() / 127)
+        True
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Half(gradcompress.Codec):               # a new one: float16 on the wire, summable as sent
+        ...     name = "half"
+        ...     aggregation = gradcompress.Aggregation.SUM
+        ...     def _encode(self, flat, seed):
+        ...         return (flat.to(torch.float16),)
+        ...     def _decode(self, tensors, numel, seed, device):
+        ...         return tensors[0].float()
+        >>> half = Half()
+        >>> payload = half.encode(x)
+        >>> payload.nbytes, half.decode(payload).dtype
+        (2000, torch.float32)
+        >>> torch.equal(half.decode(payload), x.half().float())
+        True
     """
 
     name = "codec"
@@ -134,7 +232,12 @@ class Codec:
     #: True when E[decode(encode(x))] = x. Such codecs (qsgd, terngrad, stochastic
     #: rounding, rescaled randomk) are not contractions: their error can exceed ||x||, so
     #: error feedback would accumulate it without bound; use them without it.
-    unbiased = False
+    #: (Some codecs compute it from their options: a read-only property to the type checker.)
+    if TYPE_CHECKING:
+        @property
+        def unbiased(self) -> bool: ...
+    else:
+        unbiased = False
     #: True when decode(encode(x)) == x exactly (``none``): no state, a plain all-reduce.
     exact = False
     #: True when the codec's options configure momentum correction (``momentum``,
@@ -143,12 +246,17 @@ class Codec:
     #: whether the codec's CPU path uses the fused kernels (:mod:`gradcompress.codecs.fast`)
     uses_fast_kernels = True
     #: the options ``schedule="exp"`` ramps: ``("ratio",)`` for sparsifiers, ``("rank",)`` for PowerSGD
-    schedule_knobs = ()
+    schedule_knobs: ClassVar[tuple[str, ...]] = ()
     #: True when :meth:`kept` gives a payload's positions and values (the summed path's residual then changes
     #: only at the kept positions)
     keeps_positions = False
     #: True when :meth:`accumulate_gathered` adds every rank's gathered payload of a tensor at once
-    gathers_stacked = False
+    #: (some codecs compute it from their options: a read-only property to the type checker)
+    if TYPE_CHECKING:
+        @property
+        def gathers_stacked(self) -> bool: ...
+    else:
+        gathers_stacked = False
 
     @property
     def wants_error_feedback(self) -> bool:
@@ -156,7 +264,7 @@ class Codec:
         exact ones and for unbiased ones (whose fed-back variance grows without bound)."""
         return not (self.exact or self.unbiased)
 
-    def at_step(self, step: int) -> "Codec":
+    def at_step(self, step: int) -> Codec:
         """The codec to use ``step`` compressed steps after the dense warm-up (its own schedule, e.g.
         DGC's sparsity warm-up); ``self`` for codecs without one."""
         return self
@@ -217,7 +325,8 @@ class Codec:
         two-step reduce). False unless a bucketed quantiser says so."""
         return False
 
-    def encode_piece(self, x, residual, out, codes, scales, seed, offset: int = 0) -> None:
+    def encode_piece(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+                     codes: torch.Tensor, scales: torch.Tensor, seed: int | None, offset: int = 0) -> None:
         """Encode ``x`` into the caller's payload buffers (codecs whose :meth:`slices_by_bucket` is True)."""
         raise NotImplementedError(f"{self.name} does not encode into caller's buffers")
 
@@ -225,20 +334,21 @@ class Codec:
         """(int64 positions, float32 values) of a payload (codecs whose :attr:`keeps_positions` is True)."""
         raise NotImplementedError(f"{self.name} does not keep positions")
 
-    def accumulate_gathered(self, payload: Payload, parts, out: torch.Tensor, world: int | None = None):
+    def accumulate_gathered(self, payload: Payload, parts: Sequence[torch.Tensor], out: torch.Tensor,
+                            world: int | None = None) -> torch.Tensor | None:
         """Every rank's gathered payload of one tensor added at once (codecs whose :attr:`gathers_stacked` is
         True): a bool tensor per rank, whether its payload was well formed (:func:`in_range`); None when not
         handled (the caller then adds them one by one)."""
         return None
 
-    def accumulate_into(self, payload: Payload, out: torch.Tensor):
+    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor | None:
         """``out += decode(payload)`` (same values; sparse codecs add only their kept entries: O(k), not O(n)).
         Returns a 0-d bool tensor, whether the payload was well formed (None: nothing to check, a fixed layout of
         values; codecs that send positions check them, :func:`in_range`)."""
         out.add_(self.decode(payload).reshape(out.shape))
         return None
 
-    def mean_into(self, payloads, out: torch.Tensor, divisor: int) -> None:
+    def mean_into(self, payloads: Sequence[Payload], out: torch.Tensor, divisor: int) -> None:
         """``out`` = (decode(payloads[0]) + ... + decode(payloads[-1])) / divisor: :meth:`decode_into` of the first,
         :meth:`accumulate_into` of the others in order, ``out.div_(divisor)`` (the chunk owner's mean in the two-step
         reduce; codecs with fused kernels compute the same values in one pass that writes ``out`` once)."""
@@ -254,7 +364,7 @@ class Codec:
         x = torch.zeros(numel, dtype=dtype)
         return self.encode(x, seed=0).nbytes
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         """Bytes one encode of a float32 tensor of ``numel`` elements (of ``shape``) sends, by arithmetic
         (the cost model's; codec families override it with their formula, the default encodes zeros).
         Raises ``ValueError`` for codecs whose size depends on the data."""

@@ -11,6 +11,7 @@ tuning); ``bf16`` where gradients may exceed fp16's range.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -25,22 +26,23 @@ _PIECE = 1 << 16  # elements divided at a time on CPU (256 KB of float32: stays 
 class _Cast(Codec):
     aggregation = Aggregation.SUM
     uses_fast_kernels = False
-    wire_dtype = None  # None: keep the input's dtype
+    wire_dtype: ClassVar[torch.dtype | None] = None  # None: keep the input's dtype
 
     @property
     def wants_error_feedback(self) -> bool:
         return False  # round to nearest in 16 bits: a residual of half an ulp buys nothing (as torch's fp16 hook)
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return numel * (4 if self.wire_dtype is None else 2)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         return (flat if self.wire_dtype is None else flat.to(self.wire_dtype),)
 
-    def mean_part_dtype(self, x):
+    def mean_part_dtype(self, x: torch.Tensor) -> torch.dtype:
         return self.wire_dtype or x.dtype
 
-    def encode_mean_part(self, x, world, *, seed=None, out=None):
+    def encode_mean_part(self, x: torch.Tensor, world: int, *, seed: int | None = None,
+                         out: torch.Tensor | None = None) -> Payload:
         """x / world rounded once into the wire dtype, in one pass (the values of ``encode(x / world)``)."""
         check_input(x, self.name)
         flat = x.reshape(-1)
@@ -55,10 +57,11 @@ class _Cast(Codec):
                 out[lo:hi].copy_(torch.div(flat[lo:hi], world, out=tmp[: hi - lo]))
         return Payload((out,), x.shape, x.dtype, seed, x.device)
 
-    def decode_into(self, payload, out):
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> None:
         out.copy_(payload.tensors[0].view(out.shape))
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         return tensors[0]
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -63,7 +65,7 @@ class ChunkLayout:
     cols: int
 
     @staticmethod
-    def of(shape, chunk: int) -> "ChunkLayout":
+    def of(shape: Sequence[int], chunk: int) -> ChunkLayout:
         numel = math.prod(shape)
         rows = shape[0] if len(shape) >= 2 else 0
         cols = numel // rows if rows else 0
@@ -122,18 +124,18 @@ class ChunkedDCTTopK(Codec):
 
     chunk: int = option(64, range=Range(1, 4096), doc="chunk side (2-D blocks chunk x chunk for divisible matrices)")
     topk: int = option(32, range=Range(1, None), doc="DCT coefficients kept per chunk")
-    values: "Codec | None" = option(None, doc="codec for the kept values (e.g. bf16); default: as they are")
+    values: Codec | None = option(None, doc="codec for the kept values (e.g. bf16); default: as they are")
     aggregation = Aggregation.GATHER
     gathers_stacked = True
     uses_fast_kernels = False
 
-    def layout(self, shape) -> ChunkLayout:
+    def layout(self, shape: Sequence[int]) -> ChunkLayout:
         return ChunkLayout.of(tuple(shape), self.chunk)
 
     def kept_per_chunk(self, layout: ChunkLayout) -> int:
         return min(self.topk, layout.block)
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         """blocks x k x (value bytes + position bytes), k = min(topk, coefficients per chunk); float32 values."""
         if not numel:
             return 0
@@ -178,7 +180,7 @@ class ChunkedDCTTopK(Codec):
         coeffs.index_copy_(0, pos, vals)
         return lay.inverse(coeffs.view(lay.blocks, lay.block)).to(payload.dtype).reshape(payload.shape)
 
-    def accumulate_into(self, payload: Payload, out: torch.Tensor):
+    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor | None:
         """``out += decode(payload)`` for a payload received from a peer: its positions checked first
         (:func:`~.base.in_range`); returns whether they were all in range."""
         if payload.numel == 0:
@@ -190,7 +192,8 @@ class ChunkedDCTTopK(Codec):
         out.view(-1).add_(lay.inverse(coeffs.view(lay.blocks, lay.block)).to(out.dtype).reshape(-1))
         return valid
 
-    def accumulate_gathered(self, payload, parts, out, world: int | None = None):
+    def accumulate_gathered(self, payload: Payload, parts: Sequence[torch.Tensor], out: torch.Tensor,
+                            world: int | None = None) -> torch.Tensor | None:
         """Every rank's coefficients of one tensor added in DCT space (rank order), divided by ``world`` when
         given, and transformed back once into ``out`` (zero before): the mean of the ranks' decodes. Returns
         whether each rank's positions were in range (the others add nothing)."""
@@ -198,13 +201,15 @@ class ChunkedDCTTopK(Codec):
             return None
         lay = self.layout(payload.shape)
         ranks = parts[-1].shape[0]
-        coeffs, valid = None, []
+        coeffs: torch.Tensor | None = None
+        valid = []
         for r in range(ranks):
             pos, vals, ok = in_range(*self.kept(payload.replace(tuple(q[r] for q in parts))), lay.blocks * lay.block)
             valid.append(ok)
             if coeffs is None:
                 coeffs = torch.zeros(lay.blocks * lay.block, dtype=vals.dtype, device=vals.device)
             coeffs.index_add_(0, pos, vals)
+        coeffs = cast(torch.Tensor, coeffs)  # gathered from every rank: at least one
         if world is not None:
             coeffs.div_(world)
         out.view(-1).add_(lay.inverse(coeffs.view(lay.blocks, lay.block)).to(out.dtype).reshape(-1))

@@ -32,50 +32,48 @@ ranks wait — or else at the first large encode. Without a compiler, or when th
 fails, every codec stays on the reference path and one warning says why. Other devices
 (CUDA) always take the reference path.
 
-The cache, and what is loaded from it: ``$GRADCOMPRESS_CACHE_DIR``, else
-``$TORCH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/gradcompress`` (``~/.cache/gradcompress``),
-else a ``gradcompress-<uid>`` folder in the temporary directory. Folders are created with
-mode 0700, and a library is loaded only if it, its folder and the cache folder are owned
-by the current user and writable by no one else (no symbolic links): on a shared machine
-another user cannot plant a library at the predictable path. A folder that fails the
-check is skipped with the reason in :func:`failure`.
+The cache, and what is loaded from it (owned by the current user, writable by no one else): see
+:mod:`gradcompress.codecs.fast_build`. A folder that fails the check is skipped with the reason in :func:`failure`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import math
 import os
-import shutil
-import stat
-import subprocess
 import sys
-import tempfile
 import threading
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+
+# the library's build and the outputs' memory, in modules of their own; their public names are this module's too
+from .fast_build import CACHE_ENV as CACHE_ENV
+from .fast_build import build_library, declare
+from .fast_build import cache_root as cache_root
+from .fast_build import check_private as check_private
+from .fast_build import compiler as _compiler
+from .fast_memory import HUGE_ENV_VAR as HUGE_ENV_VAR
+from .fast_memory import HUGE_MIN_BYTES as HUGE_MIN_BYTES
+from .fast_memory import empty as empty
 
 #: Smallest tensor (in elements) that takes the fast path; smaller ones gain little and
 #: stay on the reference path (so tests of small tensors never trigger a build).
 MIN_NUMEL = 1 << 16
 
 ENV_VAR = "GRADCOMPRESS_FAST"
-CACHE_ENV = "GRADCOMPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "fast.cpp"
 _VERSION = 10  # gc_version() of the source this module drives
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
-          "-ffp-contract=off", "-fno-math-errno"]  # no FMA contraction: same float rounding as torch's ops
 
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: residual storage the fused error feedback reads and writes
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 _override: bool | None = None
-_lib = None
+_lib: ctypes.CDLL | None = None
 _failure: str | None = None
 _lock = threading.Lock()
 
@@ -95,7 +93,7 @@ def set_enabled(flag: bool | None) -> None:
 
 
 @contextlib.contextmanager
-def use(flag: bool):
+def use(flag: bool) -> Iterator[None]:
     """``with fast.use(False): ...`` runs the reference path (restores the previous setting after)."""
     global _override
     before = _override
@@ -106,7 +104,7 @@ def use(flag: bool):
         _override = before
 
 
-def applies(t: torch.Tensor, dtypes=FAST_DTYPES) -> bool:
+def applies(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FAST_DTYPES) -> bool:
     """True when an encode of ``t`` takes the fast path (builds the library on the first call)."""
     return (t.device.type == "cpu" and MIN_NUMEL <= t.numel() < 2**31 and t.dtype in dtypes
             and enabled() and library() is not None)
@@ -123,139 +121,12 @@ def failure() -> str | None:
 
 
 # ----------------------------------------------------------------------------- build
-def cache_root() -> Path:
-    """Where the library is built and looked for first (see the module documentation)."""
-    root = os.environ.get(CACHE_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gradcompress"
-
-
-def _uid() -> int:
-    return os.getuid() if hasattr(os, "getuid") else 0
-
-
-def check_private(path: Path, kind: str = "dir") -> None:
-    """``RuntimeError`` unless ``path`` is a real ``kind`` ("dir" or "file", not a symbolic link)
-    owned by the current user and not writable by group or others."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise RuntimeError(f"{path} is a symbolic link; not using it")
-    if not (stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)):
-        raise RuntimeError(f"{path} is not a {'directory' if kind == 'dir' else 'regular file'}; not using it")
-    if st.st_uid != _uid():
-        raise RuntimeError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {_uid()}); not using it")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); not using it")
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700; missing parents too) and check it with :func:`check_private`."""
-    if not os.path.lexists(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    check_private(path, "dir")
-
-
-def _compiler() -> str | None:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() + platform.machine()
-
-
 def _build(cxx: str) -> Path:
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    errors = []
-    for extra in (["-march=native"], []):  # -march=native where the compiler knows it; the key has the CPU's flags
-        flags = _FLAGS + extra
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), version.encode(),
-                                         _cpu_flags().encode() if extra else b""])).hexdigest()[:16]
-        for root in (cache_root(), Path(tempfile.gettempdir()) / f"gradcompress-{_uid()}"):
-            target = root / f"gradcompress_fast_{key}" / "libgcfast.so"
-            try:
-                _private_dir(root)
-                _private_dir(target.parent)
-                if os.path.lexists(target):
-                    check_private(target, "file")
-                    return target
-            except (OSError, RuntimeError) as err:
-                errors.append(f"{target.parent}: {err}")
-                continue
-            tmp = target.with_name(f"libgcfast.{os.getpid()}.{threading.get_ident()}.tmp.so")
-            cmd = [cxx, *flags, str(SOURCE), "-o", str(tmp)]
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            except (OSError, subprocess.SubprocessError) as err:
-                errors.append(f"{' '.join(cmd)}: {err}")
-                break
-            if res.returncode != 0 or not tmp.exists():
-                errors.append(f"{' '.join(cmd)} failed:\n{(res.stderr or res.stdout)[-2000:]}")
-                tmp.unlink(missing_ok=True)
-                break  # the flags, not the folder: try the next flags
-            os.chmod(tmp, 0o700)
-            os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-            check_private(target, "file")
-            return target
-    raise RuntimeError("\n".join(errors) or "no build attempted")
+    """The built library's path (:func:`fast_build.build_library` of :data:`SOURCE`)."""
+    return build_library(cxx, SOURCE)
 
 
-def _declare(lib) -> None:
-    c_int, c_i64, c_u32, c_u64, c_f, c_p = (ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64,
-                                            ctypes.c_float, ctypes.c_void_p)
-    sigs = {
-        "gc_version": (c_int, []),
-        "gc_quantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p, c_p, c_int,
-                                c_int, c_int, c_f, c_u64, c_int, c_int]),
-        "gc_dequantize": (c_int, [c_p, c_p, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_int, c_p, c_int]),
-        "gc_dequantize_mean": (c_int, [c_p, c_p, c_int, c_i64, c_i64, c_int, c_int, c_int, c_int, c_f, c_f, c_p,
-                                       c_int]),
-        "gc_quantize_mean": (c_int, [c_p, c_p, c_int, c_f, c_i64, c_i64, c_int, c_int, c_int, c_int, c_u64, c_p, c_p,
-                                     c_int, c_int, c_int, c_f, c_u64, c_int]),
-        "gc_pack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
-        "gc_unpack": (c_int, [c_p, c_i64, c_int, c_p, c_int]),
-        "gc_sample_keys": (None, [c_p, c_i64, c_i64, c_u64, c_p, c_int]),
-        "gc_kth_largest": (c_u32, [c_p, c_i64, c_i64]),
-        "gc_abs_key": (c_u32, [c_f]),
-        "gc_collect": (c_p, [c_p, c_i64, c_u32, c_int]),
-        "gc_collected_size": (c_i64, [c_p]),
-        "gc_collected_free": (None, [c_p]),
-        "gc_collected_finish": (None, [c_p, c_p]),
-        "gc_select_top": (c_i64, [c_p, c_p, c_i64, c_i64, c_p]),
-        "gc_random_positions": (c_int, [c_i64, c_i64, c_u64, c_p, c_int]),
-    }
-    for name, (res, args) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-
-
-def build():
+def build() -> ctypes.CDLL:
     """Build (or find in the cache) and load the kernel library now; ``RuntimeError`` saying why if it cannot.
 
     Call it before training (a :class:`gradcompress.Compressor` does on machines without
@@ -273,7 +144,7 @@ def prepare() -> None:
         library()
 
 
-def library():
+def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None when unavailable (one warning)."""
     global _lib, _failure
     if _lib is not None or _failure is not None:
@@ -288,15 +159,21 @@ def library():
             if cxx is None:
                 raise RuntimeError("no C++ compiler found (set $CXX or install g++ or clang++)")
             lib = ctypes.CDLL(str(_build(cxx)))
-            _declare(lib)
+            declare(lib)
             if lib.gc_version() != _VERSION:
                 raise RuntimeError(f"library version {lib.gc_version()}, expected {_VERSION}")
             _lib = lib
-        except Exception as err:  # noqa: BLE001 - any failure means: reference path
+        except Exception as err:  # any failure (compiler, loader, kernel) means: reference path
             _failure = f"{type(err).__name__}: {err}"
             warnings.warn(f"gradcompress: fast codec kernels unavailable, using the plain torch codecs "
                           f"(slower on large tensors): {_failure}", RuntimeWarning, stacklevel=3)
     return _lib
+
+
+def _kernels() -> ctypes.CDLL:
+    """The loaded library, for a kernel call (its caller checked :func:`applies` or :func:`available`):
+    :func:`build`, ``RuntimeError`` saying why when there is none."""
+    return build()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -329,58 +206,6 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-# ----------------------------------------------------------------------------- outputs
-#: Outputs of at least this many bytes get their memory advised as transparent huge pages (:func:`empty`).
-HUGE_MIN_BYTES = 4 << 20
-HUGE_ENV_VAR = "GRADCOMPRESS_HUGEPAGES"
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-_madvise = None  # libc's madvise, False where there is none (looked up once)
-
-
-def _huge_madvise():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-                    mode = f.read()
-                if "[never]" not in mode:
-                    fn = ctypes.CDLL(None, use_errno=True).madvise
-                    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-                    _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
-
-
-def empty(shape, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)`` for an output that is written in full right away (a
-    decode's result).
-
-    On Linux CPUs, an output of at least :data:`HUGE_MIN_BYTES` has the 2 MiB-aligned part of its fresh memory
-    advised as transparent huge pages (``madvise(MADV_HUGEPAGE)``, before anything touches it): the first write
-    then takes one page fault per 2 MiB instead of one per 4 KiB. Writing a fresh 100 MB tensor took 22 ms with
-    4 KiB pages and 7 ms with huge pages here (a decode into a fresh tensor is mostly its page faults). Values are
-    the same either way. ``GRADCOMPRESS_HUGEPAGES=0`` turns the advice off; it is a no-op where the kernel's
-    transparent huge pages are ``never``.
-    """
-    out = torch.empty(shape, dtype=dtype, device=device)
-    nbytes = out.numel() * out.element_size()
-    if (nbytes < HUGE_MIN_BYTES or out.device.type != "cpu"
-            or os.environ.get(HUGE_ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")):
-        return out
-    madvise = _huge_madvise()
-    if madvise:
-        start = out.data_ptr()
-        lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-        hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if hi > lo:
-            madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a failure leaves 4 KiB pages
-    return out
-
-
 # ----------------------------------------------------------------------------- quantisers
 UNIFORM, QSGD, TERNGRAD, SIGN = 0, 1, 2, 3
 _SALT_NOISE = 1
@@ -388,7 +213,7 @@ _SALT_NOISE = 1
 
 def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, seed: int | None = None,
              stochastic: bool = False, *, residual: torch.Tensor | None = None,
-             residual_out: torch.Tensor | None = None, decoding: tuple = (False, 1, 0, 1.0),
+             residual_out: torch.Tensor | None = None, decoding: tuple[bool, int, int, float] = (False, 1, 0, 1.0),
              codes_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, index0: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scale + codes + packing of a float32 1-D tensor: (codes, one float32 scale per bucket).
@@ -406,7 +231,7 @@ def quantize(x: torch.Tensor, bucket: int, kind: int, bits: int, qmax: int = 0, 
     tensor that starts at element ``index0`` gets the noise the whole tensor's encode would give it);
     the index is a 32-bit counter: ``index0 + x.numel()`` must not exceed 2**32.
     """
-    lib = library()
+    lib = _kernels()
     n = x.numel()
     nb = -(-n // bucket)
     signed = kind == UNIFORM and bits == 8
@@ -440,7 +265,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bi
                accumulate: bool = False) -> torch.Tensor:
     """float32 ``(code * mul - offset) * (scale[bucket] / div)`` for the n codes (packed when bits < 8),
     written into ``out`` (contiguous float32 of n; ``accumulate``: added to it) when given."""
-    lib = library()
+    lib = _kernels()
     if out is None:
         out = empty(n)
     elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
@@ -452,13 +277,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bucket: int, bi
     return out
 
 
-def dequantize_mean(payloads: list, n: int, bucket: int, bits: int, divisor: float, out: torch.Tensor, *,
-                    signed: bool = False, mul: int = 1, offset: int = 0, div: float = 1.0) -> torch.Tensor:
+def dequantize_mean(payloads: Sequence[tuple[torch.Tensor, ...]], n: int, bucket: int, bits: int, divisor: float,
+                    out: torch.Tensor, *, signed: bool = False, mul: int = 1, offset: int = 0,
+                    div: float = 1.0) -> torch.Tensor:
     """``out`` = the float32 mean of W payloads (``payloads``: (codes, scale) pairs, each as :func:`dequantize`
     reads it): the decode of the first, the others added in order, then divided by ``divisor`` in float32 — the
     values of :func:`dequantize` into ``out``, W - 1 accumulating :func:`dequantize` calls and ``out.div_(divisor)``,
     in one pass that writes ``out`` once."""
-    lib = library()
+    lib = _kernels()
     if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
         raise ValueError("fast.dequantize_mean: out must be contiguous float32 of n elements")
     world = len(payloads)
@@ -471,15 +297,16 @@ def dequantize_mean(payloads: list, n: int, bucket: int, bits: int, divisor: flo
     return out
 
 
-def quantize_mean(payloads: list, divisor: float, n: int, bucket: int, kind: int, bits: int, qmax: int = 0,
-                  seed: int | None = None, stochastic: bool = False, *, decoding: tuple, codes_out: torch.Tensor,
-                  scale_out: torch.Tensor, index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mean(payloads: Sequence[tuple[torch.Tensor, ...]], divisor: float, n: int, bucket: int, kind: int,
+                  bits: int, qmax: int = 0, seed: int | None = None, stochastic: bool = False, *,
+                  decoding: tuple[bool, int, int, float], codes_out: torch.Tensor, scale_out: torch.Tensor,
+                  index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize` (no residuals) of the mean of W payloads of the same codec, into ``codes_out`` and
     ``scale_out``: the codes and scales of :func:`dequantize_mean` into a buffer followed by :func:`quantize` of
     it, without the buffer (each bucket's mean is made and encoded while it is in the cache). ``payloads``:
     (codes, scale) pairs of n elements each, laid out as :func:`dequantize` reads them; ``decoding`` =
     (signed, mul, offset, div) decodes them and the codes written."""
-    lib = library()
+    lib = _kernels()
     nb = -(-n // bucket)
     code_dtype = torch.int8 if kind == UNIFORM and bits == 8 else torch.uint8
     if (codes_out.numel() != (n * bits + 7) // 8 or codes_out.dtype != code_dtype or not codes_out.is_contiguous()
@@ -514,14 +341,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """packing.pack of contiguous uint8 codes."""
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
-    library().gc_pack(_ptr(codes), n, bits, _ptr(out), _threads(n))
+    _kernels().gc_pack(_ptr(codes), n, bits, _ptr(out), _threads(n))
     return out
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """packing.unpack of a contiguous uint8 tensor of at least ceil(n * bits / 8) bytes."""
     out = torch.empty(n, dtype=torch.uint8)
-    library().gc_unpack(_ptr(packed), n, bits, _ptr(out), _threads(n))
+    _kernels().gc_unpack(_ptr(packed), n, bits, _ptr(out), _threads(n))
     return out
 
 
@@ -539,14 +366,14 @@ def abs_key(value: float) -> int:
 def sampled_key(x: torch.Tensor, m: int, r: int, key: int) -> int:
     """The r-th largest |x| key among m positions drawn uniformly (with replacement) from the stream of key."""
     keys = torch.empty(m, dtype=torch.int32)
-    lib = library()
+    lib = _kernels()
     lib.gc_sample_keys(_ptr(x), x.numel(), m, key, _ptr(keys), _threads(m))
-    return lib.gc_kth_largest(_ptr(keys), m, r)
+    return int(lib.gc_kth_largest(_ptr(keys), m, r))  # a Python int already (c_uint32 result)
 
 
 def collect(x: torch.Tensor, tkey: int) -> torch.Tensor:
     """Ascending int32 positions i with !(|x_i| < t), t the float32 of key tkey (NaN always kept)."""
-    lib = library()
+    lib = _kernels()
     handle = lib.gc_collect(_ptr(x), x.numel(), tkey, _threads(x.numel()))
     if not handle:
         raise MemoryError("fast.collect: out of memory")
@@ -560,7 +387,7 @@ def select_top(x: torch.Tensor, cand: torch.Tensor | None, k: int) -> torch.Tens
     c = x.numel() if cand is None else cand.numel()
     k = min(k, c)
     out = torch.empty(k, dtype=torch.int32)
-    got = library().gc_select_top(_ptr(x), None if cand is None else _ptr(cand), c, k, _ptr(out))
+    got = _kernels().gc_select_top(_ptr(x), None if cand is None else _ptr(cand), c, k, _ptr(out))
     if got < 0:
         raise MemoryError("fast.select_top: out of memory")
     return out[:got]
@@ -605,29 +432,29 @@ def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
-def _random_positions_torch(n: int, k: int, key: int, device) -> torch.Tensor:
-    """gc_random_positions in torch integer operations (any device; the same values)."""
+def _random_positions_torch(n: int, k: int, key: int, device: torch.device) -> torch.Tensor:
+    """gc_random_positions in torch integer operations (any device; the same values), without a host sync: the
+    permutation of one span of inputs [0, s), the first k of its outputs below n kept (``nonzero_static``). A prefix
+    of s inputs holds about s n / 2^b such outputs; s is the expected need + 16 standard deviations + 1024 (a
+    shortfall, some 1e-57 likely, stops the run: ``_assert_async``), at most 2^b (which holds exactly n)."""
     b = max(1, (n - 1).bit_length())
     lo = b // 2
     mlo, mhi = (1 << lo) - 1, (1 << (b - lo)) - 1
     keys = [_signed64(_mix64(key + (r + 1) * _GOLDEN)) for r in range(_RANDK_ROUNDS)]
-    found, have, start = [], 0, 0
-    chunk = max(1024, -(-k * (1 << b) // n) * 9 // 8)
-    while have < k:
-        i = torch.arange(start, start + chunk, dtype=torch.int64, device=device)
-        hi, low = i >> lo, i & mlo
-        for r in range(0, _RANDK_ROUNDS, 2):
-            low = low ^ (_mix64_tensor(hi + keys[r]) & mlo)
-            hi = hi ^ (_mix64_tensor(low + keys[r + 1]) & mhi)
-        p = (hi << lo) | low
-        p = p[p < n]
-        found.append(p)
-        have += p.numel()
-        start += chunk
-    return torch.sort(torch.cat(found)[:k]).values
+    need = -(-k * (1 << b) // n)
+    span = min(1 << b, need + 16 * math.isqrt(need) + 1024)
+    i = torch.arange(span, dtype=torch.int64, device=device)
+    hi, low = i >> lo, i & mlo
+    for r in range(0, _RANDK_ROUNDS, 2):
+        low = low ^ (_mix64_tensor(hi + keys[r]) & mlo)
+        hi = hi ^ (_mix64_tensor(low + keys[r + 1]) & mhi)
+    p = (hi << lo) | low
+    below = p < n
+    torch._assert_async(below.sum() >= k, "fast.random_positions: too few positions in the span")
+    return torch.sort(p[torch.nonzero_static(below, size=k).view(-1)]).values
 
 
-def random_positions(n: int, k: int, seed: int, device=None) -> torch.Tensor:
+def random_positions(n: int, k: int, seed: int, device: torch.device | str | None = None) -> torch.Tensor:
     """k distinct int64 positions in [0, n) drawn from ``seed``, ascending, the same on every machine and device.
 
     The first k values below n of a keyed pseudo-random permutation of [0, 2^b), 2^b the least
@@ -639,9 +466,10 @@ def random_positions(n: int, k: int, seed: int, device=None) -> torch.Tensor:
         raise ValueError(f"random_positions: need 0 <= k <= n, got k={k}, n={n}")
     key = stream_key(seed, _SALT_RANDOMK)
     device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cpu" and enabled() and library() is not None:
+    lib = library() if device.type == "cpu" and enabled() else None
+    if lib is not None:
         out = torch.empty(k, dtype=torch.int64)
-        if k and library().gc_random_positions(n, k, key, _ptr(out), _threads(k)) < 0:
+        if k and lib.gc_random_positions(n, k, key, _ptr(out), _threads(k)) < 0:
             raise MemoryError("fast.random_positions: out of memory")
         return out
     return _random_positions_torch(n, k, key, device)

@@ -25,7 +25,7 @@ from . import fast
 from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator
 
 
-def matrix_shape(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[int, int] | None:
+def matrix_shape(shape: tuple[int, ...], rank: int, min_compression_rate: float) -> tuple[int, int] | None:
     """(n, m) of the matrix view, or None when the tensor is sent dense."""
     if len(shape) < 2:
         return None
@@ -56,7 +56,8 @@ def orthonormalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return p
 
 
-def initial_q(m: int, rank: int, seed: int, device, dtype=torch.float32) -> torch.Tensor:
+def initial_q(m: int, rank: int, seed: int, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A standard normal m x rank matrix drawn from ``seed`` (the same on every rank)."""
     return torch.randn(m, rank, generator=generator(seed, device), device=device, dtype=dtype)
 
@@ -88,10 +89,10 @@ class PowerSGD(Codec):
     schedule_knobs = ("rank",)
     stochastic = True
 
-    def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
+    def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         return matrix_shape(shape, self.rank, self.min_compression_rate)
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         """(n + m) * r float32 factors for an n x m ``shape``; the dense tensor where it is not compressed."""
         nm = self.matrix_shape(tuple(shape)) if shape is not None else None
         if nm is None:

@@ -85,7 +85,6 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
         return fast.unpack(b.contiguous(), bits, n)
     if 8 % bits == 0:  # 1, 2, 4: uint8 arithmetic
-        per = 8 // bits
         m = packed_nbytes(n, bits)
         if b.numel() < m:
             b = torch.nn.functional.pad(b, (0, m - b.numel()))

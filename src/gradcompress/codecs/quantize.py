@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -80,10 +82,11 @@ def bucket_norm(xb: torch.Tensor) -> torch.Tensor:
     bucket gives a NaN norm.
     """
     amax = xb.abs().amax(dim=1)
-    return torch.linalg.vector_norm(safe_divide(xb, amax), dim=1) * amax
+    norm: torch.Tensor = torch.linalg.vector_norm(safe_divide(xb, amax), dim=1) * amax
+    return norm
 
 
-def uniform_noise(shape, seed: int, device) -> torch.Tensor:
+def uniform_noise(shape: torch.Size | tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
     """U[0, 1) noise from a private generator (stochastic rounding)."""
     return torch.rand(shape, generator=generator(seed, device), device=device)
 
@@ -113,8 +116,17 @@ class Bucketed(Codec):
     reads x and the residual and writes the codes, the scales and the new residual).
     """
 
-    code_dtype = torch.uint8
-    bits = 8
+    if TYPE_CHECKING:  # each subclass declares them: an option (a dataclass field) or a property of its options
+        bucket: int
+
+        @property
+        def bits(self) -> int: ...
+
+        @property  # the codes' dtype: uint8 here, a property of ``bits`` for int8/int4 (read-only to the checker)
+        def code_dtype(self) -> torch.dtype: ...
+    else:
+        bits = 8
+        code_dtype = torch.uint8
 
     def kernel(self) -> tuple[int, int, int, bool] | None:
         """(kind, bits, qmax, stochastic) of :func:`fast.quantize`, or None when no kernel applies."""
@@ -163,8 +175,8 @@ class Bucketed(Codec):
         codes.copy_(payload.tensors[0].reshape(-1))
         scales.copy_(payload.tensors[1])
 
-    def encode_mean_piece(self, payloads, numel: int, divisor: int, codes: torch.Tensor, scales: torch.Tensor,
-                          seed: int | None, offset: int = 0) -> None:
+    def encode_mean_piece(self, payloads: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, divisor: int,
+                          codes: torch.Tensor, scales: torch.Tensor, seed: int | None, offset: int = 0) -> None:
         """:meth:`encode_piece` (no residuals) of the mean of W payloads of ``numel`` elements into the caller's
         ``codes`` and ``scales``: what :meth:`mean_into` a float32 buffer followed by ``encode_piece(buffer, None,
         None, codes, scales, seed, offset)`` writes, the same bits. ``payloads``: (codes, scales) pairs of this
@@ -190,24 +202,27 @@ class Bucketed(Codec):
         self.mean_into([Payload((c, s), shape, torch.float32, None, device) for c, s in payloads], mean, divisor)
         self.encode_piece(mean, None, None, codes, scales, seed, offset)
 
-    def _fast_encode(self, flat: torch.Tensor, seed, residual=None, residual_out=None, codes=None, scales=None,
-                     offset: int = 0):
-        kind, bits, qmax, stochastic = self.kernel()
+    def _fast_encode(self, flat: torch.Tensor, seed: int | None, residual: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                     scales: torch.Tensor | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        kind, bits, qmax, stochastic = cast("tuple[int, int, int, bool]", self.kernel())  # callers checked it
         return fast.quantize(fast.as_float32(flat), self.bucket, kind, bits, qmax, seed, stochastic,
                              residual=residual, residual_out=residual_out, decoding=self.decoding(),
                              codes_out=codes, scale_out=scales, index0=offset)
 
-    def _fast_decodes(self, tensors, numel: int, any_size: bool = False) -> bool:
+    def _fast_decodes(self, tensors: tuple[torch.Tensor, ...], numel: int, any_size: bool = False) -> bool:
         kernel = self.kernel()
         if kernel is None or len(tensors) != 2:
             return False
         codes, scale = tensors
         return fast.dequantize_ok(codes, scale, numel, self.bucket, kernel[1], self.code_dtype, any_size)
 
-    def _fast_decode(self, tensors, numel: int, out: torch.Tensor | None = None, accumulate: bool = False):
+    def _fast_decode(self, tensors: tuple[torch.Tensor, ...], numel: int, out: torch.Tensor | None = None,
+                     accumulate: bool = False) -> torch.Tensor:
         codes, scale = tensors
         signed, mul, offset, div = self.decoding()
-        return fast.dequantize(codes, scale, numel, self.bucket, self.kernel()[1], signed=signed, mul=mul,
+        kernel = cast("tuple[int, int, int, bool]", self.kernel())  # callers checked it (_fast_decodes)
+        return fast.dequantize(codes, scale, numel, self.bucket, kernel[1], signed=signed, mul=mul,
                                offset=offset, div=div, out=out, accumulate=accumulate)
 
     def _into(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> bool:
@@ -226,7 +241,7 @@ class Bucketed(Codec):
         if not self._into(payload, out, True):
             super().accumulate_into(payload, out)
 
-    def mean_into(self, payloads, out: torch.Tensor, divisor: int) -> None:
+    def mean_into(self, payloads: Sequence[Payload], out: torch.Tensor, divisor: int) -> None:
         """:meth:`Codec.mean_into` in one pass of the kernel (W payloads decoded, summed in order, divided, written
         once; the same values) where every payload has the layout it reads, else the reference."""
         n = out.numel()
@@ -234,10 +249,12 @@ class Bucketed(Codec):
                 or any(p.numel != n or not self._fast_decodes(p.tensors, n, any_size=True) for p in payloads)):
             return super().mean_into(payloads, out, divisor)
         signed, mul, offset, div = self.decoding()
-        fast.dequantize_mean([p.tensors for p in payloads], n, self.bucket, self.kernel()[1], float(divisor),
+        kernel = cast("tuple[int, int, int, bool]", self.kernel())  # _fast_decodes said there is one
+        fast.dequantize_mean([p.tensors for p in payloads], n, self.bucket, kernel[1], float(divisor),
                              out.view(-1), signed=signed, mul=mul, offset=offset, div=div)
 
-    def encode_feedback(self, x, residual, *, seed=None, out):
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int | None = None,
+                        out: torch.Tensor) -> Payload:
         kernel = self.kernel()
         flat = x.reshape(-1)
         ok = (kernel is not None and x.dtype == torch.float32 and flat.is_contiguous()
@@ -265,31 +282,32 @@ class _Uniform(Bucketed):
     def unbiased(self) -> bool:
         return self.stochastic
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return packed_nbytes(numel, self.bits, self.bucket)
 
     @property
     def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
+        return int(2 ** (self.bits - 1)) - 1  # an int (bits >= 1); int() for the type checker
 
     @property
-    def code_dtype(self):
+    def code_dtype(self) -> torch.dtype:
         return torch.int8 if self.bits == 8 else torch.uint8
 
-    def kernel(self):
+    def kernel(self) -> tuple[int, int, int, bool] | None:
         return (fast.UNIFORM, self.bits, self.qmax, self.stochastic) if self.bits == 8 or self.bucket % 8 == 0 else None
 
-    def decoding(self):
+    def decoding(self) -> tuple[bool, int, int, float]:
         return (True, 1, 0, 1.0) if self.bits == 8 else (False, 1, self.qmax + 1, 1.0)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         if _fast_ok(flat, self.bits, self.bucket):
             return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1) / self.qmax
         y = safe_divide(xb, scale)
         if self.stochastic:
-            y = torch.floor(y + uniform_noise(y.shape, seed, y.device))
+            # the seed is never None: Codec.encode draws one for a stochastic codec
+            y = torch.floor(y + uniform_noise(y.shape, cast(int, seed), y.device))
         else:
             y = torch.round(y)
         codes = from_buckets(y.clamp_(-self.qmax, self.qmax), flat.numel())
@@ -297,7 +315,8 @@ class _Uniform(Bucketed):
             return codes.to(torch.int8), scale
         return pack((codes + self.qmax + 1).to(torch.uint8), self.bits), scale
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         if self._fast_decodes(tensors, numel):
             return self._fast_decode(tensors, numel)
         codes, scale = tensors
@@ -353,30 +372,33 @@ class QSGD(Bucketed):
     def bits(self) -> int:
         return max(1, math.ceil(math.log2(2 * self.levels + 1)))
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return packed_nbytes(numel, self.bits, self.bucket)
 
-    def kernel(self):
+    def kernel(self) -> tuple[int, int, int, bool] | None:
         return (fast.QSGD, self.bits, self.levels, True) if self.bits <= 8 and (
             self.bits == 8 or self.bucket % 8 == 0) else None
 
-    def decoding(self):
+    def decoding(self) -> tuple[bool, int, int, float]:
         return (False, 1, self.levels, float(self.levels))
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         if self.bits <= 8 and _fast_ok(flat, self.bits, self.bucket):
             return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         norm = bucket_norm(xb)
         y = safe_divide(xb.abs(), norm) * self.levels
-        level = torch.floor(y + uniform_noise(y.shape, seed, y.device)).clamp_(0, self.levels)
+        # the seed is never None: Codec.encode draws one for a stochastic codec
+        noise = uniform_noise(y.shape, cast(int, seed), y.device)
+        level = torch.floor(y + noise).clamp_(0, self.levels)
         signed = torch.where(xb < 0, -level, level) + self.levels
         codes = from_buckets(signed, flat.numel())
         if self.bits <= 8:
             return pack(codes.to(torch.uint8), self.bits), norm
         return (codes - self.levels).to(torch.int16), norm
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         if self._fast_decodes(tensors, numel):
             return self._fast_decode(tensors, numel)
         codes, norm = tensors
@@ -402,28 +424,30 @@ class TernGrad(Bucketed):
     stochastic = True
     unbiased = True
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return packed_nbytes(numel, 2, self.bucket)
 
     bits = 2
 
-    def kernel(self):
+    def kernel(self) -> tuple[int, int, int, bool] | None:
         return (fast.TERNGRAD, 2, 0, True) if self.bucket % 8 == 0 else None
 
-    def decoding(self):
+    def decoding(self) -> tuple[bool, int, int, float]:
         return (False, 1, 1, 1.0)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         if _fast_ok(flat, 2, self.bucket):
             return self._fast_encode(flat, seed)
         xb = to_buckets(flat, self.bucket)
         scale = xb.abs().amax(dim=1)
         p = safe_divide(xb.abs(), scale)
-        keep = uniform_noise(p.shape, seed, p.device) < p
+        # the seed is never None: Codec.encode draws one for a stochastic codec
+        keep = uniform_noise(p.shape, cast(int, seed), p.device) < p
         ternary = torch.where(keep, torch.sign(xb), torch.zeros_like(xb)) + 1
         return pack(from_buckets(ternary, flat.numel()).to(torch.uint8), 2), scale
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         if self._fast_decodes(tensors, numel):
             return self._fast_decode(tensors, numel)
         codes, scale = tensors
@@ -473,16 +497,17 @@ class Int2(Codec):
     aggregation = Aggregation.REQUANTIZE
     uses_fast_kernels = False
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return -(-numel * 2 // 8) + 8 * -(-numel // self.bucket)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         xb = to_buckets(flat, self.bucket)
         high, levels = two_level_magnitudes(xb, flat.numel())
         codes = (xb < 0).to(torch.uint8) + 2 * high.to(torch.uint8)
         return pack(from_buckets(codes, flat.numel()), 2), levels.reshape(-1)
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         packed, levels = tensors
         codes = unpack(packed, 2, numel).long()
         nb = levels.numel() // 2

@@ -28,18 +28,18 @@ class Sign(Bucketed):
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
     aggregation = Aggregation.REQUANTIZE
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return packed_nbytes(numel, 1, self.bucket)
 
     bits = 1
 
-    def kernel(self):
+    def kernel(self) -> tuple[int, int, int, bool] | None:
         return (fast.SIGN, 1, 0, False) if self.bucket % 8 == 0 else None
 
-    def decoding(self):
+    def decoding(self) -> tuple[bool, int, int, float]:
         return (False, 2, 1, 1.0)
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         if self.bucket % 8 == 0 and fast.applies(flat):  # float32/16/bf16: flat >= 0 is the same after .float()
             return self._fast_encode(flat, seed)
         n = flat.numel()
@@ -50,7 +50,8 @@ class Sign(Bucketed):
         bits = flat >= 0  # NaN -> 0; its bucket's scale is NaN anyway
         return pack(bits.to(torch.uint8), 1), scale
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         if self._fast_decodes(tensors, numel):
             return self._fast_decode(tensors, numel)
         bits, scale = tensors

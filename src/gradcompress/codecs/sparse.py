@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -71,13 +73,13 @@ def _pack_offsets(offsets: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
     return (offsets.bitwise_and(255).to(torch.uint8), pack(offsets.bitwise_right_shift(8).to(torch.uint8), bits - 8))
 
 
-def _unpack_offsets(packed: tuple, bits: int, k: int) -> torch.Tensor:
+def _unpack_offsets(packed: tuple[torch.Tensor, ...], bits: int, k: int) -> torch.Tensor:
     if bits <= 8:
         return unpack(packed[0], bits, k).long()
     return packed[0].long() + unpack(packed[1], bits - 8, k).long().bitwise_left_shift(8)
 
 
-def _chunk_base(ratio: float, chunk: int, n: int, device) -> torch.Tensor:
+def _chunk_base(ratio: float, chunk: int, n: int, device: torch.device) -> torch.Tensor:
     """The first position of the chunk of each kept element, in payload order (chunk by chunk)."""
     per, last, _ = chunk_counts(ratio, chunk, n)
     full = n // chunk
@@ -107,14 +109,18 @@ def chunked_topk(flat: torch.Tensor, ratio: float, chunk: int) -> tuple[torch.Te
 class _Sparse(Codec):
     """Values at selected positions + int32 positions; subclasses choose the positions."""
 
-    values: "Codec | None" = option(None, doc="codec for the kept values (e.g. int8); default: as they are")
+    values: Codec | None = option(None, doc="codec for the kept values (e.g. int8); default: as they are")
     aggregation = Aggregation.GATHER
-    gathers_stacked = True
+    if TYPE_CHECKING:  # top-k computes it from its options: a read-only property to the type checker
+        @property
+        def gathers_stacked(self) -> bool: ...
+    else:
+        gathers_stacked = True
 
     def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         """k values (or the ``values`` codec's payload of k) + k int32 positions, k from ``ratio``
         (``dgc``: its target k; it sends between k/2 and 2k)."""
         if not hasattr(self, "ratio"):
@@ -123,13 +129,14 @@ class _Sparse(Codec):
         values = 4 * k if self.values is None else self.values.payload_nbytes(k)
         return values + 4 * k
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         idx = self._select(flat, seed)
         vals = flat.index_select(0, idx)  # int32 positions as they are (flat[idx] would copy them to int64)
         head = (vals,) if self.values is None else self.values.encode(vals, seed=seed).tensors
         return (*head, idx.to(torch.int32))
 
-    def _kept(self, tensors, seed, numel: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kept(self, tensors: tuple[torch.Tensor, ...], seed: int | None,
+              numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions as int64, their values in float32) of a payload (of a tensor of ``numel`` elements)."""
         *head, idx = tensors
         if self.values is None:
@@ -138,12 +145,14 @@ class _Sparse(Codec):
             vals = self.values.decode(Payload(tuple(head), torch.Size([idx.numel()]), torch.float32, seed))
         return idx.long(), vals
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         idx, vals = self._kept(tensors, seed, numel)
         out = torch.zeros(numel, dtype=torch.float32, device=device)
         return out.index_copy_(0, idx, vals)
 
-    def encode_feedback(self, x, residual, *, seed=None, out):
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int | None = None,
+                        out: torch.Tensor) -> Payload:
         """y = x + residual written into ``out`` once; the selection reads it there; then only the k kept
         entries change (y - their decoded values): O(k) instead of a dense decode and a subtraction."""
         flat = out.view(-1) if out.is_contiguous() else None
@@ -160,7 +169,8 @@ class _Sparse(Codec):
             flat.index_put_((idx,), flat.index_select(0, idx) - vals)
         return payload
 
-    def accumulate_gathered(self, payload, parts, out, world: int | None = None):
+    def accumulate_gathered(self, payload: Payload, parts: Sequence[torch.Tensor], out: torch.Tensor,
+                            world: int | None = None) -> torch.Tensor | None:
         """Every rank's payload of one tensor added at once: ``parts`` are the payload's tensors with a leading
         rank dimension (values, positions). One ``index_add_`` in rank order: the same sums as adding each
         rank's payload in turn. ``world``: ``out`` (zero before) is then divided by it where anything was added
@@ -177,7 +187,7 @@ class _Sparse(Codec):
             flat.index_copy_(0, idx, flat.index_select(0, idx).div_(world))
         return valid
 
-    def accumulate_into(self, payload, out):
+    def accumulate_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor | None:
         """The kept entries added at their positions (distinct within a payload): the gather path's mean costs
         O(W k + n), not W dense decodes. Same values as adding the dense decode (+0.0 elsewhere). Returns whether
         every position was in range (:func:`~.base.in_range`)."""
@@ -201,7 +211,7 @@ class TopK(_Sparse):
     """
 
     ratio: float = option(0.01, range=_RATIO, doc="fraction of elements kept")
-    chunk: "int | None" = option(None, doc="chunked top-k: elements per chunk (2 to 65536); default: the whole tensor")
+    chunk: int | None = option(None, doc="chunked top-k: elements per chunk (2 to 65536); default: the whole tensor")
     schedule_knobs = ("ratio",)
 
     def __post_init__(self) -> None:
@@ -214,14 +224,14 @@ class TopK(_Sparse):
     def gathers_stacked(self) -> bool:
         return self.chunk is None
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         if self.chunk is None:
             return super().payload_nbytes(numel, shape)
         k = chunk_counts(self.ratio, self.chunk, numel)[2] if numel else 0
         values = 4 * k if self.values is None else self.values.payload_nbytes(k)
         return values + _offset_nbytes(k, _offset_bits(self.chunk))
 
-    def _encode(self, flat, seed):
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
         if self.chunk is None:
             return super()._encode(flat, seed)
         offsets, idx = chunked_topk(flat, self.ratio, self.chunk)
@@ -229,7 +239,8 @@ class TopK(_Sparse):
         head = (vals,) if self.values is None else self.values.encode(vals, seed=seed).tensors
         return (*head, *_pack_offsets(offsets, _offset_bits(self.chunk)))
 
-    def _kept(self, tensors, seed, numel=None):
+    def _kept(self, tensors: tuple[torch.Tensor, ...], seed: int | None,
+              numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.chunk is None:
             return super()._kept(tensors, seed, numel)
         bits = _offset_bits(self.chunk)
@@ -243,7 +254,7 @@ class TopK(_Sparse):
         base = _chunk_base(self.ratio, self.chunk, numel, packed[0].device)
         return base + _unpack_offsets(packed, bits, k), vals
 
-    def _select(self, flat, seed):
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
         k = kept_count(self.ratio, flat.numel())
         if fast.applies(flat):  # float32/16/bf16 convert to float32 exactly: the same order of magnitudes
             return fast.topk_indices(fast.as_float32(flat), k)
@@ -258,7 +269,7 @@ class Threshold(_Sparse):
     value: float = option(1e-3, range=Range(0, None), doc="magnitude threshold")
     fixed_layout = False
 
-    def _select(self, flat, seed):
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
         if fast.applies(flat, (torch.float32,)):  # the comparison is in the input's dtype: float32 only
             return fast.collect(flat, fast.abs_key(self.value))
         return torch.nonzero(~(flat.abs() < self.value)).reshape(-1)  # ~(<) keeps NaN
@@ -289,13 +300,14 @@ class DGC(_Sparse):
     carries_momentum = True
     schedule_knobs = ("ratio",)
 
-    def at_step(self, step: int) -> "DGC":
+    def at_step(self, step: int) -> DGC:
         """Sparsity warm-up (Lin et al. 2018): density 25% -> 6.25% -> 1.56% -> 0.39% -> ``ratio``
         in four equal stages over ``warmup_steps`` (never below ``ratio``)."""
         density = dgc_density(step, self.warmup_steps, self.ratio)
         return self if density == self.ratio else dataclasses.replace(self, ratio=density)
 
-    def _select(self, flat, seed):
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+        seed = cast(int, seed)  # never None: Codec.encode draws one for a stochastic codec
         n = flat.numel()
         k = kept_count(self.ratio, n)
         use_fast = fast.applies(flat)
@@ -344,21 +356,22 @@ class RandomK(Codec):
     def unbiased(self) -> bool:
         return self.scale
 
-    def payload_nbytes(self, numel: int, shape: tuple | None = None) -> int:
+    def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
         return 4 * kept_count(self.ratio, numel) if numel else 0
 
-    def positions(self, n: int, seed: int, device) -> torch.Tensor:
+    def positions(self, n: int, seed: int, device: torch.device | str | None) -> torch.Tensor:
         k = kept_count(self.ratio, n)
         if k == n:
             return torch.arange(n, device=device)
         return fast.random_positions(n, k, seed, device)
 
-    def encode(self, x, *, seed=None):
+    def encode(self, x: torch.Tensor, *, seed: int | None = None) -> Payload:
         """The k values at the seed's positions (scaled by n/k with ``scale``); the positions stay with the
         payload (``Payload.local``, never sent): decoding it does not draw them again."""
         return self.encode_mean_part(x, 1, seed=seed)
 
-    def encode_mean_part(self, x, world, *, seed=None, out=None):
+    def encode_mean_part(self, x: torch.Tensor, world: int, *, seed: int | None = None,
+                         out: torch.Tensor | None = None) -> Payload:
         """``encode(x / world)`` dividing only the k kept values (the same values: the division is per element)."""
         check_input(x, self.name)
         if seed is None:
@@ -377,13 +390,14 @@ class RandomK(Codec):
     def _positions_of(self, payload: Payload) -> torch.Tensor:
         if payload.local:
             return payload.local[0]
-        return self.positions(payload.numel, payload.seed, payload.tensors[0].device)
+        seed = cast(int, payload.seed)  # never None: random-k's encode draws one (shared_seed)
+        return self.positions(payload.numel, seed, payload.tensors[0].device)
 
     def kept(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 positions, float32 values) of a payload: its decode is zero elsewhere."""
         return self._positions_of(payload), payload.tensors[0].float()
 
-    def decode_into(self, payload, out):
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> None:
         """``out.copy_(decode(payload))`` without the temporary: zeros, then the k values at their positions."""
         if payload.numel == 0 or not payload.tensors or not out.is_contiguous():
             return super().decode_into(payload, out)
@@ -391,6 +405,8 @@ class RandomK(Codec):
         vals = payload.tensors[0].float().to(payload.dtype).to(out.dtype)
         out.view(-1).index_copy_(0, self._positions_of(payload), vals)
 
-    def _decode(self, tensors, numel, seed, device):
+    def _decode(self, tensors: tuple[torch.Tensor, ...], numel: int, seed: int | None,
+                device: torch.device) -> torch.Tensor:
         out = torch.zeros(numel, dtype=torch.float32, device=device)
+        seed = cast(int, seed)  # never None: random-k's encode draws one (shared_seed)
         return out.index_copy_(0, self.positions(numel, seed, device), tensors[0].float())

@@ -12,17 +12,26 @@ output. Python work per step: O(tensors + W) calls. Finiteness: the gathered sca
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job
+from .context import Context
+
+if TYPE_CHECKING:
+    from ..codecs.quantize import Bucketed
+
+#: one payload of quantised buckets: (codes, scales)
+Codes = tuple[torch.Tensor, torch.Tensor]
 
 
 class _Layout:
     """Where each tensor's codes and scales lie in the group's buffers."""
 
-    def __init__(self, codec: Codec, inputs, world: int):
+    def __init__(self, codec: Bucketed, inputs: Sequence[torch.Tensor], world: int) -> None:
         self.codec, self.size = codec, codec.bucket
         self.first = [0]  # the first bucket of each tensor, then the total
         for x in inputs:
@@ -31,14 +40,15 @@ class _Layout:
         self.code_dtype, self.chunk_codes = codec.code_layout(self.per_chunk * self.size)
         self.per_bucket = codec.code_layout(self.size)[1]  # whole code elements per bucket (slices_by_bucket)
 
-    def place(self, c: torch.Tensor, s: torch.Tensor, bucket: int, numel: int):
+    def place(self, c: torch.Tensor, s: torch.Tensor, bucket: int, numel: int) -> Codes:
         """The codes and scales of ``numel`` elements starting at ``bucket`` (relative to c and s)."""
         at = bucket * self.per_bucket
         return c[at : at + self.codec.code_layout(numel)[1]], s[bucket : bucket - (-numel // self.size)]
 
 
 def bucketed_two_step_mean(comm: Collectives, codec: Codec, codes: torch.Tensor, scales: torch.Tensor,
-                           reencode, finish, divisor: int) -> Job:
+                           reencode: Callable[[list[Codes], int], Codes],
+                           finish: Callable[[torch.Tensor, torch.Tensor], None], divisor: int) -> Job:
     """The rounds: ``codes``/``scales`` are this rank's payload of the group (W equal chunks of whole buckets,
     chunk j for rank j); ``reencode(received, divisor)`` gives this rank's chunk's codes and scales from the W
     (codes, scales) received for it (their decoded sum divided by ``divisor``, re-encoded); ``finish(codes, scales)``
@@ -60,10 +70,11 @@ class BucketedExchange:
     """One payload for the group's tensors (see the module docstring); ``check``: read finiteness from the
     gathered scales."""
 
-    def __init__(self, comm: Collectives, codec: Codec, check: bool):
+    def __init__(self, comm: Collectives, codec: Bucketed, check: bool) -> None:
         self.comm, self.codec, self.check = comm, codec, check
 
-    def job(self, ctx, keys, inputs, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         """Encodes now; the job is the two rounds (:func:`bucketed_two_step_mean`)."""
         check = self.check
         codec, device, world = self.codec, inputs[0].device, self.comm.world
@@ -77,8 +88,7 @@ class BucketedExchange:
             seed = ctx.seed(k, codec)
             ctx.transforms.encode_piece(codec, k, x, c, s, seed)
             if reference:
-                ctx.transforms.delivered(k, x, lambda c=c, s=s, x=x, seed=seed: codec.decode(
-                    Payload((c, s), x.shape, torch.float32, seed, device)).float())
+                ctx.transforms.delivered(k, x, _decoded(codec, Payload((c, s), x.shape, torch.float32, seed, device)))
 
         def finish(all_codes: torch.Tensor, all_scales: torch.Tensor) -> None:
             if check:
@@ -92,7 +102,8 @@ class BucketedExchange:
                                                                                received, divisor), finish,
                                       ctx.divisor)
 
-    def _reencode(self, ctx, lay: _Layout, group, keys, inputs, received, divisor):
+    def _reencode(self, ctx: Context, lay: _Layout, group: tuple[Hashable, ...], keys: Sequence[Hashable],
+                  inputs: Sequence[torch.Tensor], received: list[Codes], divisor: int) -> Codes:
         """This rank's chunk of the averaged group (the W ``received`` payloads of it, summed, divided by
         ``divisor``), re-encoded tensor piece by tensor piece without storing the mean (``encode_mean_piece``)."""
         codec, size = self.codec, lay.size
@@ -114,6 +125,11 @@ class BucketedExchange:
             codec.encode_mean_piece(pieces, numel, divisor, c, s, ctx.seed(keys[t], codec, salt=1, shared=True),
                                     start)
         return mine_codes, mine_scales
+
+
+def _decoded(codec: Codec, payload: Payload) -> Callable[[], torch.Tensor]:
+    """What ``payload`` delivers (its decode, in float32), computed when called."""
+    return lambda: codec.decode(payload).float()
 
 
 __all__ = ["BucketedExchange", "bucketed_two_step_mean"]

@@ -6,10 +6,12 @@ but momentum correction. Finiteness: read on the reduced values (a NaN/Inf anywh
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
 from ..collectives import Collectives, Job, one_job
-from .context import all_finite
+from .context import Context, all_finite
 from .layout import IN_PLACE_NUMEL, flat_cat, scatter
 
 
@@ -29,7 +31,8 @@ class DenseExchange:
     def __init__(self, comm: Collectives, buffer: torch.Tensor | None = None, monitored: bool | None = None):
         self.comm, self.buffer, self.monitored = comm, buffer, monitored
 
-    def job(self, ctx, keys, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], grads: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         if ctx.transforms.momentum is not None:
             for k, g in zip(keys, grads):
                 ctx.transforms.dense(k, g)
@@ -50,16 +53,17 @@ class DenseExchange:
         if flat is None or not flat.numel():
             return
         monitored = ctx.monitor is not None if self.monitored is None else self.monitored
-        exact = flat.float().clone() if monitored else None
-        if exact is None:
+        monitor = ctx.monitor if monitored else None
+        exact = flat.float().clone() if monitor is not None else None
+        if monitor is None or exact is None:
             yield from dense_mean(comm, flat, divisor)
         else:
-            yield from one_job([dense_mean(comm, flat, divisor), ctx.monitor.exact_mean(comm, exact, divisor)])
+            yield from one_job([dense_mean(comm, flat, divisor), monitor.exact_mean(comm, exact, divisor)])
         ctx.check(all_finite(flat))
         if buffer is None:
             scatter(flat, grads)
-        if exact is not None:
-            ctx.monitor.record(keys, exact, [g.float() for g in grads])
+        if monitor is not None and exact is not None:
+            monitor.record(keys, exact, [g.float() for g in grads])
 
 
 __all__ = ["DenseExchange", "dense_mean"]

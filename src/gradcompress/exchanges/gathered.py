@@ -11,15 +11,20 @@ payloads, so every rank finds the same).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Generator, Hashable, Sequence
 
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job, floats, from_bytes, layout, to_bytes
+from .context import Context
+
+#: where one payload's tensors lie in a rank's buffer: (dtype, size) of each
+Layout = list[tuple[torch.dtype, torch.Size]]
 
 
-def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device, bad: dict):
+def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device: torch.device | None,
+            bad: dict[int, str]) -> Generator[list[object], None, tuple[list[torch.Tensor], list[list[Layout]]]]:
     """Round(s) of the all-gather: yields works, returns (every rank's byte buffer, their layouts). Announced sizes
     that do not add up or exceed what the codec sends for the tensor (a garbled or truncated count) are recorded in
     ``bad`` (rank -> problem) and read as an empty payload."""
@@ -41,7 +46,7 @@ def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device, ba
     return gathered, layouts
 
 
-def _announced(counts: list[int], payloads: list[Payload], rank: int, bad: dict) -> list:
+def _announced(counts: list[int], payloads: list[Payload], rank: int, bad: dict[int, str]) -> list[Layout]:
     """The layout ``rank`` announced (element counts of each payload tensor, then its byte total), or, where they do
     not add up or a payload would hold more than one value and one position per element, an empty one."""
     *numels, total = counts
@@ -56,7 +61,8 @@ def _announced(counts: list[int], payloads: list[Payload], rank: int, bad: dict)
     return [[(t.dtype, torch.Size([next(it)])) for t in p.tensors] for p in payloads]
 
 
-def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list, divided: set, valid: list) -> None:
+def _add_stacked(codec: Codec, payloads: list[Payload], gathered: list[torch.Tensor], outs: Sequence[torch.Tensor],
+                 world: int, seen: list[Payload], divided: set[int], valid: list[torch.Tensor]) -> None:
     """Every rank's buffer has the same layout: one view per payload tensor with a leading rank dimension, and one
     accumulate per tensor for all ranks (O(tensors) calls, not O(tensors x W))."""
     stacked = torch.stack(gathered)
@@ -64,7 +70,7 @@ def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list,
         stacked = torch.nn.functional.pad(stacked, (0, 8 - stacked.shape[1] % 8))
     offset = 0
     for p, out in zip(payloads, outs):
-        parts = []
+        parts: list[torch.Tensor] = []
         for t in p.tensors:
             size = t.numel() * t.element_size()
             part = stacked[:, offset : offset + size]
@@ -82,15 +88,16 @@ def _add_stacked(codec: Codec, payloads, gathered, outs, world: int, seen: list,
         seen.append(p.replace(tuple(parts)))
 
 
-def _each_valid(flags: list, device) -> torch.Tensor:
+def _each_valid(flags: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """Per-rank validity flags (None: nothing to check) as one bool tensor."""
     ok = torch.ones((), dtype=torch.bool, device=device)
     return torch.stack([ok if f is None else f for f in flags])
 
 
-def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list, valid: list) -> None:
+def _add_each(codec: Codec, payloads: list[Payload], gathered: list[torch.Tensor], layouts: list[list[Layout]],
+              outs: Sequence[torch.Tensor], seen: list[Payload], valid: list[torch.Tensor]) -> None:
     """Each rank's payloads read from its buffer and added one by one."""
-    flags = [[] for _ in payloads]
+    flags: list[list[torch.Tensor | None]] = [[] for _ in payloads]
     for buf, rank_layout in zip(gathered, layouts):
         offset = 0
         for j, (p, lay, out) in enumerate(zip(payloads, rank_layout, outs)):
@@ -102,16 +109,19 @@ def _add_each(codec: Codec, payloads, gathered, layouts, outs, seen: list, valid
     valid.extend(_each_valid(f, out.device) for f, out in zip(flags, outs))
 
 
-def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
-                received: Callable[[list[Payload]], None] | None, divisor: int, ctx=None, keys=None) -> Job:
+def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: Sequence[torch.Tensor],
+                received: Callable[[list[Payload]], None] | None, divisor: int, ctx: Context | None = None,
+                keys: Sequence[Hashable] | None = None) -> Job:
     """All-gather every rank's payloads (sizes first if they vary), decode each, add them into ``outs`` and divide
     by ``divisor``. ``received(payloads)`` is called with every rank's payloads (the same on every rank); ``ctx``
     (the step's :class:`~.context.Context`) hears which rank sent what could not be used, by ``keys``."""
-    bad: dict = {}
+    bad: dict[int, str] = {}
     gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None, bad)
     for out in outs:
         out.zero_()
-    seen, divided, valid = [], set(), []  # outs already divided by W (where anything was added)
+    seen: list[Payload] = []
+    divided: set[int] = set()  # outs already divided by W (where anything was added)
+    valid: list[torch.Tensor] = []
     if codec.fixed_layout and codec.gathers_stacked and len(gathered) > 1:
         _add_stacked(codec, payloads, gathered, outs, divisor, seen, divided, valid)
     else:
@@ -135,11 +145,12 @@ class GatheredExchange:
 
     aggregation = Aggregation.GATHER
 
-    def __init__(self, comm: Collectives, codec: Codec):
+    def __init__(self, comm: Collectives, codec: Codec) -> None:
         self.comm, self.codec = comm, codec
         self.check = codec.preserves_nonfinite  # finiteness read from the received values and scales
 
-    def job(self, ctx, keys, inputs, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         """Encodes now; the job is the all-gather and the sum (:func:`gather_mean`)."""
         codec = self.codec
         payloads = [ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.GATHER)[0]

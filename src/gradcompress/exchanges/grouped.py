@@ -9,21 +9,27 @@ and the exchange of the codec's algebra (:func:`algebra_exchange`), and the resu
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence, Set
 
 import torch
 
 from ..codecs.base import Aggregation, Codec
 from ..collectives import Collectives, Job, one_job
-from .context import all_finite
+from .context import Context, all_finite
 from .dense import dense_mean
 from .gathered import GatheredExchange
-from .layout import flat_cat, scatter
+from .layout import scatter
 from .lowrank import LowRankExchange
 from .summed import SummedExchange
 from .twostep import TwoStepExchange
 
+#: the exchange of one algebra of payloads
+Algebra = SummedExchange | GatheredExchange | TwoStepExchange | LowRankExchange
+#: (key, tensor) pairs of a group
+Keyed = list[tuple[Hashable, torch.Tensor]]
 
-def algebra_exchange(comm: Collectives, codec: Codec, seed: int):
+
+def algebra_exchange(comm: Collectives, codec: Codec, seed: int) -> Algebra:
     """The exchange of ``codec``'s payloads that its aggregation allows, on ``comm``."""
     aggregation = codec.aggregation
     if aggregation is Aggregation.SUM:
@@ -40,19 +46,23 @@ class GroupExchange:
     (the outputs are the inputs). ``dense_keys``: keys sent dense whatever their size (pieces of small tensors, as
     the hierarchical exchange cuts them)."""
 
-    def __init__(self, comm: Collectives, codec: Codec, inner, min_numel: int, dense_keys=frozenset()):
+    def __init__(self, comm: Collectives, codec: Codec, inner: Algebra, min_numel: int,
+                 dense_keys: Set[Hashable] = frozenset()) -> None:
         self.comm, self.codec, self.inner, self.min_numel = comm, codec, inner, min_numel
         self.dense_keys = dense_keys
 
-    def _split(self, keys, grads, dense_keys):
-        dense, comp = [], []
-        lowrank = self.inner.aggregation is Aggregation.LOWRANK
+    def _split(self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor],
+               dense_keys: Set[Hashable]) -> tuple[Keyed, Keyed]:
+        dense: Keyed = []
+        comp: Keyed = []
+        inner = self.inner  # its aggregation is LOWRANK: a LowRankExchange, which takes only matrices
         for k, g in zip(keys, grads):
-            small = k in dense_keys or g.numel() < self.min_numel or (lowrank and not self.inner.takes(g))
+            small = (k in dense_keys or g.numel() < self.min_numel
+                     or (isinstance(inner, LowRankExchange) and not inner.takes(g)))
             (dense if small else comp).append((k, g))
         return dense, comp
 
-    def _inputs(self, ctx, comp):
+    def _inputs(self, ctx: Context, comp: Keyed) -> list[torch.Tensor]:
         """The compressed tensors' inputs. Summed codecs read their inputs only before the collective, so they may
         alias the gradients, which then receive the result directly; so may inputs whose error feedback is fused
         into the encode (read once, before the first collective)."""
@@ -61,7 +71,7 @@ class GroupExchange:
         fused = aggregation is not Aggregation.LOWRANK and ctx.transforms.fuses(aggregation)
         return [ctx.transforms.input(k, g, private=not (summed or fused), fused=fused) for k, g in comp]
 
-    def _flag(self, inputs, dense, device) -> torch.Tensor:
+    def _flag(self, inputs: Sequence[torch.Tensor], dense: Keyed, device: torch.device | None) -> torch.Tensor:
         """NaN when some input is non-finite (0 else). Codecs that carry a NaN/Inf through to what every rank
         receives are checked there instead (the casts on the summed buffer, the quantisers and sparsifiers on the
         received scales or values, PowerSGD on the summed first factor): no pass over their inputs."""
@@ -69,7 +79,8 @@ class GroupExchange:
         ok = ([] if ride else [all_finite(x) for x in inputs]) + [all_finite(g) for _, g in dense]
         return torch.where(torch.stack(ok).all(), 0.0, math.nan) if ok else torch.zeros((), device=device)
 
-    def job(self, ctx, keys, grads, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], grads: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         dense, comp = self._split(keys, grads, self.dense_keys)
         if ctx.transforms.momentum is not None:
             for k, g in dense:
@@ -85,30 +96,32 @@ class GroupExchange:
         results = [g if d else torch.empty_like(x) for d, x, (_, g) in zip(direct, inputs, comp)]
         ride = self.codec.preserves_nonfinite
         flagged = bool(dense) or not ride
-        exact = None
-        if ctx.monitor is not None and comp:  # telemetry: the exact average of the same tensors, counted apart
-            exact = torch.cat([ctx.monitor.refs.pop(k).reshape(-1) for k, _ in comp])  # before anything encodes
+        exact, monitor = None, ctx.monitor
+        if monitor is not None and comp:  # telemetry: the exact average of the same tensors, counted apart
+            exact = torch.cat([monitor.refs.pop(k).reshape(-1) for k, _ in comp])  # before anything encodes
         jobs = [dense_mean(self.comm, dense_flat, ctx.divisor)] if flagged else []
         if comp:
             jobs.append(self.inner.job(ctx, [k for k, _ in comp], inputs, results))
-        if exact is not None:
-            jobs.append(ctx.monitor.exact_mean(self.comm, exact, ctx.divisor))
+        if monitor is not None and exact is not None:
+            jobs.append(monitor.exact_mean(self.comm, exact, ctx.divisor))
         yield from one_job(jobs)
         self._land(ctx, dense, comp, results, dense_flat, exact, flagged)
 
-    def _land(self, ctx, dense, comp, outs, dense_flat, exact, flagged: bool) -> None:
+    def _land(self, ctx: Context, dense: Keyed, comp: Keyed, outs: list[torch.Tensor], dense_flat: torch.Tensor,
+              exact: torch.Tensor | None, flagged: bool) -> None:
         """Results into the gradients: the dense ones scattered, the flag added where the codec's payloads do not
         carry a NaN/Inf, the others copied from their outputs where they were not written in place."""
-        if exact is not None:
-            ctx.monitor.record([k for k, _ in comp], exact, outs)
+        monitor = ctx.monitor
+        if monitor is not None and exact is not None:
+            monitor.record([k for k, _ in comp], exact, outs)
         scatter(dense_flat[:-1], [g for _, g in dense])
         if flagged:
             ctx.check(all_finite(dense_flat))
-        if ctx.monitor is not None:  # tensors that travelled dense are exact: they count with no error
+        if monitor is not None:  # tensors that travelled dense are exact: they count with no error
             for k, g in dense:
-                ctx.monitor.record_dense(k, g)
+                monitor.record_dense(k, g)
         flag = dense_flat[-1:].float()
-        for (k, g), out in zip(comp, outs):
+        for (_k, g), out in zip(comp, outs):
             if not self.codec.preserves_nonfinite:
                 out.view(-1)[:1].add_(flag)
             if out is not g:

@@ -30,16 +30,27 @@ decision the same everywhere.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Hashable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ..codecs.base import Codec
 from ..collectives import Collectives, Job
+from .context import Context
 from .dense import DenseExchange
 from .grouped import GroupExchange, algebra_exchange
 from .layout import split
 from .lowrank import LowRankExchange
 from .owners import OwnerExchange, gather_node, wire_dtype
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..topology import Topology
+
+#: the exchange between nodes (on ``inter``): dense, or the codec's
+Between = DenseExchange | GroupExchange
 
 CASTS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,7 +60,7 @@ def piece_numel(numel: int, parts: int) -> int:
     return -(-numel // parts)
 
 
-def piece_key(key, local_rank: int, parts: int) -> str:
+def piece_key(key: Hashable, local_rank: int, parts: int) -> str:
     """The state key of piece ``local_rank`` of ``parts`` of the tensor ``key`` (a string: checkpoints keep it)."""
     return f"{key}:{local_rank}/{parts}"
 
@@ -61,24 +72,23 @@ class Hierarchy:
     ``owners``: whole tensors owned by local ranks (:mod:`.owners`, PowerSGD's layout, on every step, warm-up
     included, so that state keys stay whole tensors) instead of flat 1/G pieces."""
 
-    def __init__(self, topology, intra_node: str = "none", owners: bool = False):
+    def __init__(self, topology: Topology, intra_node: str = "none", owners: bool = False) -> None:
         self.topology, self.owners = topology, owners
-        self.assigned: dict = {}  # owners=True: key -> the local rank that owns it (kept across steps)
+        self.assigned: dict[Hashable, int] = {}  # owners=True: key -> the local rank that owns it (kept across steps)
         # process groups, or collectives ready made (the cost model's RecordingCollectives), used as they are
-        self.intra, self.inter = (g if isinstance(g, Collectives) else Collectives(g)
-                                  for g in (topology.intra, topology.inter))
+        self.intra, self.inter = _collectives(topology.intra), _collectives(topology.inter)
         self.cast = CASTS[intra_node]
 
-    def exchange(self, codec: Codec | None, seed: int, min_numel: int):
+    def exchange(self, codec: Codec | None, seed: int, min_numel: int) -> OwnerExchange | HierarchicalExchange:
         """The hierarchical exchange of a step with ``codec`` (None or exact: dense)."""
         dense = codec is None or codec.exact
         if self.owners:
-            inner = DenseExchange(self.inter) if dense else GroupExchange(
+            inner = DenseExchange(self.inter) if dense or codec is None else GroupExchange(  # (None: dense)
                 self.inter, codec, LowRankExchange(self.inter, codec, seed), min_numel)
             return OwnerExchange(self.intra, inner, self.cast, self.assigned)
         return HierarchicalExchange(self.intra, lambda small: self.between(codec, seed, small), self.cast, min_numel)
 
-    def between(self, codec: Codec | None, seed: int, dense_keys=frozenset()):
+    def between(self, codec: Codec | None, seed: int, dense_keys: Set[Hashable] = frozenset()) -> Between:
         """The exchange between nodes alone (on ``inter``): the codec's (``dense_keys`` sent dense), or dense for
         None or an exact codec."""
         if codec is None or codec.exact:
@@ -86,7 +96,14 @@ class Hierarchy:
         return GroupExchange(self.inter, codec, algebra_exchange(self.inter, codec, seed), 0, dense_keys)
 
 
-def fill_blocks(send: torch.Tensor, tensors, per, offsets) -> torch.Tensor:
+def _collectives(group: object) -> Collectives:
+    """The collectives of a process group, or collectives ready made (the cost model's RecordingCollectives) as they
+    are (a :class:`~gradcompress.topology.Topology` holds either)."""
+    return group if isinstance(group, Collectives) else Collectives(cast("dist.ProcessGroup | None", group))
+
+
+def fill_blocks(send: torch.Tensor, tensors: Sequence[torch.Tensor], per: Sequence[int],
+                offsets: Sequence[int]) -> torch.Tensor:
     """Write piece j (``per[i]`` elements from ``j * per[i]``) of each tensor i into row j of ``send`` at column
     ``offsets[i]`` (the reduce-scatter's G blocks; what is not written stays as it was: zero padding)."""
     for g, o, p in zip(tensors, offsets, per):
@@ -102,19 +119,22 @@ class HierarchicalExchange:
     """Reduce-scatter inside the node, the exchange between nodes on the pieces, all-gather inside (module doc); in
     place. ``between(dense_keys)``: the exchange between nodes, with the piece keys it must send dense."""
 
-    def __init__(self, intra: Collectives, between, cast: torch.dtype | None, min_numel: int):
+    def __init__(self, intra: Collectives, between: Callable[[Set[Hashable]], Between], cast: torch.dtype | None,
+                 min_numel: int) -> None:
         self.intra, self.between, self.cast, self.min_numel = intra, between, cast, min_numel
 
-    def _wire_dtype(self, grads) -> torch.dtype:
+    def _wire_dtype(self, grads: Sequence[torch.Tensor]) -> torch.dtype:
         return wire_dtype(self.cast, grads)
 
-    def _blocks(self, ctx, keys, grads, per, offsets, dtype) -> torch.Tensor:
+    def _blocks(self, ctx: Context, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], per: Sequence[int],
+                offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The reduce-scatter's input: G blocks, block j = piece j of every tensor (padding stays zero)."""
         parts = self.intra.world
         send = ctx.zeroed("intra send", tuple(keys), parts * offsets[-1], dtype, grads[0].device).view(parts, -1)
         return fill_blocks(send, grads, per, offsets)
 
-    def job(self, ctx, keys, grads, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], grads: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         if not grads:
             return
         parts, me = self.intra.world, self.intra.rank
@@ -134,7 +154,8 @@ class HierarchicalExchange:
         self._land(gathered, grads, per, offsets)
 
     @staticmethod
-    def _land(gathered: torch.Tensor, grads, per, offsets) -> None:
+    def _land(gathered: torch.Tensor, grads: Sequence[torch.Tensor], per: Sequence[int],
+              offsets: Sequence[int]) -> None:
         """The gathered pieces back into the gradients; every worker's flag added to each gradient's first element
         (0 when every worker was finite, NaN else: the result is then non-finite on every rank)."""
         flags = gathered[:, -1].float().sum()
@@ -144,7 +165,8 @@ class HierarchicalExchange:
                 g[(0,) * g.dim()].add_(flags)
 
 
-def to_pieces(intra: Collectives, whole: dict, shapes: dict) -> dict:
+def to_pieces(intra: Collectives, whole: Mapping[Hashable, torch.Tensor],
+              shapes: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, torch.Tensor]:
     """Per-worker tensors in gradient space (``whole``: key -> tensor of ``shapes[key]``, e.g. flat error-feedback
     residuals) as this worker's pieces of their node mean (piece key -> tensor, the hierarchical exchange's state):
     one reduce-scatter inside the node (every worker of the node calls it with the same keys). The mean over the
@@ -163,10 +185,11 @@ def to_pieces(intra: Collectives, whole: dict, shapes: dict) -> dict:
             for k, o, p in zip(keys, offsets, per)}
 
 
-def to_whole(parts: int, me: int, pieces: dict, shapes: dict) -> dict:
+def to_whole(parts: int, me: int, pieces: Mapping[Hashable, torch.Tensor],
+             shapes: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, torch.Tensor]:
     """The inverse of :func:`to_pieces` without communication: worker ``me`` holds ``parts`` times its piece, zeros
     elsewhere (key -> tensor of ``shapes[key]``): the mean over every worker equals the pieces' mean over nodes."""
-    out = {}
+    out: dict[Hashable, torch.Tensor] = {}
     for k, shape in shapes.items():
         piece = pieces.get(piece_key(k, me, parts))
         if piece is None:

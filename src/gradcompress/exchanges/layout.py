@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..codecs.base import Codec, Payload
 
 #: elements per chunk of the two-step reduce are a multiple of this (whole packed bytes for 1-bit codes)
 CHUNK_BLOCK = 8
@@ -44,7 +48,7 @@ def whole_group_elements(numels: Sequence[int], bucket: int, world: int) -> int:
     return world * -(-buckets // world) * bucket
 
 
-def decode_chunks(codec, payloads: list, n: int, device) -> torch.Tensor:
+def decode_chunks(codec: Codec, payloads: Sequence[Payload], n: int, device: torch.device) -> torch.Tensor:
     """The first ``n`` values of the chunks' decodes, back to back, in float32 (each chunk decoded into its
     place: no full-size temporaries besides the result)."""
     out = torch.empty(sum(p.numel for p in payloads), dtype=torch.float32, device=device)
@@ -55,9 +59,10 @@ def decode_chunks(codec, payloads: list, n: int, device) -> torch.Tensor:
     return out[:n]
 
 
-def split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+def split(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of ``flat``, back to back, in ``shapes``."""
-    out, offset = [], 0
+    out: list[torch.Tensor] = []
+    offset = 0
     for shape in shapes:
         n = math.prod(shape)
         out.append(flat[offset : offset + n].view(*shape))
@@ -65,7 +70,7 @@ def split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
     return out
 
 
-def scatter(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+def scatter(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
     """Copy ``flat``'s values back into ``grads``, back to back."""
     offset = 0
     for g in grads:

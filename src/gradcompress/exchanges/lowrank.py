@@ -11,13 +11,19 @@ M Q NaN/Inf under IEEE arithmetic, Inf * 0 included).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from ..codecs.base import Aggregation, Codec
 from ..codecs.lowrank import initial_q, orthonormalize_, product, transposed_product
 from ..collectives import Collectives, Job
-from .context import all_finite, key_number, mix_seed
+from .context import Context, all_finite, key_number, mix_seed
 from .layout import flat_cat, split
+
+if TYPE_CHECKING:
+    from ..codecs.lowrank import PowerSGD
 
 
 class LowRankExchange:
@@ -25,14 +31,16 @@ class LowRankExchange:
 
     aggregation = Aggregation.LOWRANK
 
-    def __init__(self, comm: Collectives, codec: Codec, seed: int):
-        self.comm, self.codec, self.seed = comm, codec, seed
+    def __init__(self, comm: Collectives, codec: Codec, seed: int) -> None:
+        # the codec's aggregation is LOWRANK (PowerSGD, the one such codec): its rank, matrix_shape, alternate
+        self.comm, self.codec, self.seed = comm, cast("PowerSGD", codec), seed
         self.check = codec.preserves_nonfinite  # finiteness read from the first all-reduced factor
 
     def takes(self, x: torch.Tensor) -> bool:
         return self.codec.matrix_shape(x.shape) is not None
 
-    def _basis(self, ctx, slot: str, key, size: int, rank: int, device, salt: int) -> torch.Tensor:
+    def _basis(self, ctx: Context, slot: str, key: Hashable, size: int, rank: int, device: torch.device,
+               salt: int) -> torch.Tensor:
         """The warm-started factor for ``key``, drawn from the seed at first use (or on a rank change)."""
         cur = ctx.old(slot, key)
         if cur is None or cur.shape != (size, rank):
@@ -43,13 +51,16 @@ class LowRankExchange:
             cur = orthonormalize_(fresh) if salt else fresh
         return cur
 
-    def job(self, ctx, keys, inputs, outs) -> Job:
-        mats = [x.view(*self.codec.matrix_shape(x.shape)) for x in inputs]
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
+        # inputs: tensors that take() said have a matrix shape
+        mats = [x.view(*cast("tuple[int, int]", self.codec.matrix_shape(x.shape))) for x in inputs]
         ranks = [min(self.codec.rank, *m.shape) for m in mats]
         rounds = self._alternating if self.codec.alternate else self._two_rounds
         return rounds(ctx, keys, inputs, outs, mats, ranks, self.check)
 
-    def _two_rounds(self, ctx, keys, inputs, outs, mats, ranks, check: bool) -> Job:
+    def _two_rounds(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+                    outs: Sequence[torch.Tensor], mats: list[torch.Tensor], ranks: list[int], check: bool) -> Job:
         comm, dev = self.comm, mats[0].device
         qs = [self._basis(ctx, "q", k, m.shape[1], r, dev, 0) for k, m, r in zip(keys, mats, ranks)]
         ps = torch.cat([product(m, q).reshape(-1) for m, q in zip(mats, qs)])
@@ -67,7 +78,8 @@ class LowRankExchange:
             torch.matmul(p, q.T, out=out.view(p.shape[0], q.shape[0]))
             ctx.put("q", k, q.clone())
 
-    def _alternating(self, ctx, keys, inputs, outs, mats, ranks, check: bool) -> Job:
+    def _alternating(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+                     outs: Sequence[torch.Tensor], mats: list[torch.Tensor], ranks: list[int], check: bool) -> Job:
         comm, dev = self.comm, mats[0].device
         p_step = ctx.index % 2 == 0
         bases = [self._basis(ctx, "q" if p_step else "p", k, m.shape[1] if p_step else m.shape[0], r, dev,

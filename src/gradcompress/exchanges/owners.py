@@ -26,12 +26,17 @@ instead of G times. Finiteness: as :mod:`.hierarchical` (the inner checks travel
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Generator, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..collectives import Collectives, Job
-from .context import all_finite
+from .context import ChecksApart, Context, all_finite
+
+if TYPE_CHECKING:
+    from .dense import DenseExchange
+    from .grouped import GroupExchange
 
 
 #: rounds of collectives an inner exchange may take (PowerSGD's P and Q all-reduces; dense: one)
@@ -53,7 +58,8 @@ def padded(job: Job, rounds: int) -> Job:
         yield []
 
 
-def gather_node(intra: Collectives, ctx, inner, values: torch.Tensor, dtype: torch.dtype) -> Job:
+def gather_node(intra: Collectives, ctx: Context, inner: ChecksApart, values: torch.Tensor,
+                dtype: torch.dtype) -> Generator[list[object], None, torch.Tensor]:
     """The node's all-gather of this worker's ``values`` and its flag (0 when every check ``inner``, the inner
     exchange's :class:`~.context.ChecksApart`, collected holds, NaN else), in ``dtype``; the step checks the gathered
     buffer (the same on every worker of the node). Returns the gathered buffer, one row per worker."""
@@ -85,14 +91,14 @@ def owners(numels: Sequence[int], parts: int, known: Sequence[int | None] = ()) 
 def _places(numels: Sequence[int], owner: Sequence[int], parts: int) -> tuple[list[int], int]:
     """(each tensor's offset inside its owner's block, the block size: the largest owner's load)."""
     load = [0] * parts
-    offsets = []
+    offsets: list[int] = []
     for n, j in zip(numels, owner):
         offsets.append(load[j])
         load[j] += n
     return offsets, max(load)
 
 
-def wire_dtype(cast: torch.dtype | None, grads) -> torch.dtype:
+def wire_dtype(cast: torch.dtype | None, grads: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype of the traffic inside a node: ``cast``, else the gradients' common dtype (float32 if mixed)."""
     if cast is not None:
         return cast
@@ -107,11 +113,13 @@ class OwnerExchange:
     ``assigned``: key -> owner, kept across steps (by the :class:`~.hierarchical.Hierarchy`): a tensor keeps the
     owner it got when first seen, so its state stays where it lives when DDP regroups its buckets."""
 
-    def __init__(self, intra: Collectives, inner, cast: torch.dtype | None, assigned: dict | None = None):
+    def __init__(self, intra: Collectives, inner: DenseExchange | GroupExchange, cast: torch.dtype | None,
+                 assigned: dict[Hashable, int] | None = None) -> None:
         self.intra, self.inner, self.cast = intra, inner, cast
         self.assigned = {} if assigned is None else assigned
 
-    def job(self, ctx, keys, grads, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], grads: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         if not grads:
             return
         parts, me = self.intra.world, self.intra.rank
@@ -135,7 +143,8 @@ class OwnerExchange:
         self._land(gathered, grads, owner, offsets)
 
     @staticmethod
-    def _land(gathered: torch.Tensor, grads, owner, offsets) -> None:
+    def _land(gathered: torch.Tensor, grads: Sequence[torch.Tensor], owner: Sequence[int],
+              offsets: Sequence[int]) -> None:
         """Each owner's results back into the gradients, every worker's flag added to each gradient's first
         element (0 when every worker was finite, NaN else: the result is then non-finite on every rank)."""
         flags = gathered[:, -1].float().sum()

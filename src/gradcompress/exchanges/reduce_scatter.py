@@ -10,20 +10,28 @@ Finiteness: a one-element all-reduce of a flag makes every rank's output non-fin
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Hashable, Sequence
+from typing import Any
 
 import torch
 
 from ..codecs.base import Codec, Payload
 from ..collectives import Collectives, Job, from_bytes, layout, parallel, to_bytes
-from .context import all_finite, mix_seed
+from .context import Context, all_finite, mix_seed
 from .dense import dense_mean
 from .layout import decode_chunks
 
 
-def _exchange_sizes(comm: Collectives, template: Payload, payloads: list[Payload], parts, device):
+#: the received pieces and, for each, its tensors' (dtype, size)
+Pieces = tuple[list[torch.Tensor], list[list[tuple[torch.dtype, torch.Size]]]]
+
+
+def _exchange_sizes(comm: Collectives, template: Payload, payloads: list[Payload], parts: list[torch.Tensor],
+                    device: torch.device) -> Generator[list[object], None, Pieces]:
     """Variable-size payloads: the sizes first, then an uneven all-to-all. Yields works; returns (pieces, layouts)."""
     world = comm.world
     counts = torch.tensor([[t.numel() for t in p.tensors] for p in payloads], dtype=torch.int64, device=device)
+    got: Any  # the received counts, then their rows as lists
     got, work = comm.all_to_all(counts.reshape(-1))
     yield [work]
     got = got.view(world, -1).tolist()
@@ -31,7 +39,7 @@ def _exchange_sizes(comm: Collectives, template: Payload, payloads: list[Payload
     sizes = [sum(n * t.element_size() for t, n in zip(template.tensors, row)) for row in got]
     received, work = comm.all_to_all_v(torch.cat(parts), [q.numel() for q in parts], sizes)
     yield [work]
-    return list(received.split(sizes)), lays
+    return list(torch.split(received, sizes)), lays
 
 
 def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload], out: torch.Tensor) -> Job:
@@ -44,7 +52,7 @@ def reduce_scatter_sum(comm: Collectives, codec: Codec, payloads: list[Payload],
         received, work = comm.all_to_all(torch.cat(parts))
         yield [work]
         lays = [layout(template.tensors)] * comm.world
-        pieces = list(received.split(parts[comm.rank].numel()))
+        pieces = list(torch.split(received, parts[comm.rank].numel()))
     else:
         pieces, lays = yield from _exchange_sizes(comm, template, payloads, parts, out.device)
     out.zero_()
@@ -56,10 +64,10 @@ class ReduceScatterExchange:
     """``output`` receives this rank's chunk of the sum over ranks of ``input``, times ``scale`` (FSDP's op: 1/W for
     its mean). ``job(ctx, [key], [input], [output])``."""
 
-    def __init__(self, comm: Collectives, codec: Codec | None, dense_codec: Codec, scale: float):
+    def __init__(self, comm: Collectives, codec: Codec | None, dense_codec: Codec, scale: float) -> None:
         self.comm, self.codec, self.dense_codec, self.scale = comm, codec, dense_codec, scale
 
-    def _encode(self, ctx, key, input: torch.Tensor):
+    def _encode(self, ctx: Context, key: Hashable, input: torch.Tensor) -> tuple[torch.Tensor, list[Payload], Codec]:
         """(the transformed flat input, its W chunks' payloads, the codec they were encoded with)."""
         world, codec = self.comm.world, self.codec
         if codec is None or codec.exact:  # dense: the chunks as they are (an all-to-all is a reduce-scatter)
@@ -73,7 +81,8 @@ class ReduceScatterExchange:
             seeds = [mix_seed(seed, j) for j in range(world)]
         return x, [codec.encode(c, seed=s) for c, s in zip(x.view(world, -1), seeds)], codec
 
-    def job(self, ctx, keys, inputs, outputs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outputs: Sequence[torch.Tensor]) -> Job:
         (key,), (input,), (output,), scale = keys, inputs, outputs, self.scale
         world = self.comm.world
         if input.numel() != world * output.numel():
@@ -105,11 +114,12 @@ class HierarchicalReduceScatter:
     on node sums. When to use: FSDP over several nodes of several GPUs with a slow link between them."""
 
     def __init__(self, intra: Collectives, inter: Collectives, codec: Codec | None, dense_codec: Codec,
-                 cast: torch.dtype | None, scale: float):
+                 cast: torch.dtype | None, scale: float) -> None:
         self.intra, self.inter, self.cast = intra, inter, cast
         self.inner = ReduceScatterExchange(inter, codec, dense_codec, scale)
 
-    def job(self, ctx, keys, inputs, outputs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outputs: Sequence[torch.Tensor]) -> Job:
         (key,), (input,), (output,) = keys, inputs, outputs
         parts, nodes, me = self.intra.world, self.inter.world, self.intra.rank
         if input.numel() != parts * nodes * output.numel():

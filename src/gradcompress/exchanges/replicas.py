@@ -20,21 +20,24 @@ replica all-reduce crosses the slow link (``register_fsdp(model, spec, replicate
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from ..collectives import Collectives, Job
-from .context import all_finite
-from .dense import dense_mean
+from .context import Context, all_finite
+from .dense import DenseExchange, dense_mean
+from .grouped import GroupExchange
 
 
 class ReplicaExchange:
     """``shard`` (this worker's, already its node's mean) becomes the mean over the replicas (module doc)."""
 
-    def __init__(self, intra: Collectives, inner):
+    def __init__(self, intra: Collectives, inner: DenseExchange | GroupExchange) -> None:
         self.intra, self.inner = intra, inner
 
-    def job(self, ctx, keys, shards: list[torch.Tensor], outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], shards: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         """In place: ``keys``/``shards`` hold one shard (the outputs are the inputs)."""
         (key,), (shard,) = keys, shards
         flat = shard.view(-1)

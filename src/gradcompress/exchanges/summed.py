@@ -10,16 +10,16 @@ Finiteness: the casts carry a NaN/Inf through the sum, read on the summed buffer
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job
-from .context import all_finite
+from .context import Context, all_finite
 
 
-def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: list[torch.Tensor],
+def sum_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: Sequence[torch.Tensor],
              summed: Callable[[torch.Tensor], None] | None = None) -> Job:
     """Summable payloads (already encoded from x / W): one all-reduce, decode into ``outs``.
     ``summed(flat)`` is called with each all-reduced flat buffer (where finiteness is read)."""
@@ -62,24 +62,31 @@ class SummedExchange:
 
     aggregation = Aggregation.SUM
 
-    def __init__(self, comm: Collectives, codec: Codec):
+    def __init__(self, comm: Collectives, codec: Codec) -> None:
         self.comm, self.codec = comm, codec
         self.check = codec.preserves_nonfinite  # finiteness read on the summed buffer
 
-    def job(self, ctx, keys, inputs, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         """Encodes now (x / divisor); the job is the all-reduce and the decode (:func:`sum_mean`)."""
         codec, divisor, transforms, check = self.codec, ctx.divisor, ctx.transforms, self.check
         dtype = codec.mean_part_dtype(inputs[0]) if inputs else None
         buf = torch.empty(sum(x.numel() for x in inputs), dtype=dtype, device=inputs[0].device) if dtype else None
-        payloads, offset = [], 0
+        payloads: list[Payload] = []
+        offset = 0
         for k, x in zip(keys, inputs):  # casts write straight into one buffer: the all-reduce needs no cat
             part = buf[offset : offset + x.numel()] if buf is not None else None
             offset += x.numel()
             p = codec.encode_mean_part(x, divisor, seed=ctx.seed(k, codec), out=part)
             if not transforms.delivered_sparse(codec, k, x, p, divisor):
-                transforms.delivered(k, x, lambda p=p: codec.decode(p).float() * divisor)
+                transforms.delivered(k, x, _decoded(codec, p, divisor))
             payloads.append(p)
         return sum_mean(self.comm, codec, payloads, outs, (lambda f: ctx.check(all_finite(f))) if check else None)
+
+
+def _decoded(codec: Codec, payload: Payload, divisor: int) -> Callable[[], torch.Tensor]:
+    """What ``payload`` delivers (its decode times ``divisor``, in float32), computed when called."""
+    return lambda: codec.decode(payload).float() * divisor
 
 
 __all__ = ["SummedExchange", "sum_mean"]

@@ -13,7 +13,8 @@ Tensors on (nearly) whole quantisation buckets travel as one payload for the who
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -21,11 +22,17 @@ from ..codecs import fast
 from ..codecs.base import Aggregation, Codec, Payload
 from ..collectives import Collectives, Job, floats, from_bytes, layout, nbytes, one_job, to_bytes
 from .bucketed import BucketedExchange
-from .context import mix_seed
+from .context import Context, mix_seed
 from .layout import fills_buckets
 
+if TYPE_CHECKING:
+    from ..codecs.quantize import Bucketed
 
-def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencode, divisor: int) -> list[Payload]:
+T = TypeVar("T")
+
+
+def _owner_sums(comm: Collectives, codec: Codec, chunks: list[list[Payload]], received_bytes: torch.Tensor,
+                reencode: Callable[[int, torch.Tensor], Payload], divisor: int) -> list[Payload]:
     """Round 1's second half: this rank decodes and sums every rank's payload of its chunk of each tensor,
     divides it by ``divisor`` and re-encodes it (``reencode(k, mean_chunk)``)."""
     world = comm.world
@@ -45,7 +52,8 @@ def _owner_sums(comm: Collectives, codec: Codec, chunks, received_bytes, reencod
     return mine
 
 
-def _decode_gathered(codec: Codec, mine: list[Payload], gathered, outs, seen: list) -> None:
+def _decode_gathered(codec: Codec, mine: list[Payload], gathered: list[torch.Tensor], outs: Sequence[torch.Tensor],
+                     seen: list[Payload]) -> None:
     """Round 2's second half: every rank's re-encoded chunks decoded straight into ``outs`` (last chunk trimmed)."""
     lays2 = [layout(p.tensors) for p in mine]
     sizes2 = [nbytes(p.tensors) for p in mine]
@@ -67,7 +75,7 @@ def _decode_gathered(codec: Codec, mine: list[Payload], gathered, outs, seen: li
             out.copy_(flat.view(out.shape))
 
 
-def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: list[torch.Tensor],
+def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], outs: Sequence[torch.Tensor],
                   reencode: Callable[[int, torch.Tensor], Payload],
                   received: Callable[[list[Payload]], None] | None, divisor: int) -> Job:
     """Two-step reduce of chunked payloads: ``chunks[k][j]`` is this rank's payload for chunk j of tensor k
@@ -85,7 +93,7 @@ def two_step_mean(comm: Collectives, codec: Codec, chunks: list[list[Payload]], 
     mine = _owner_sums(comm, codec, chunks, received_bytes, reencode, divisor)
     gathered, work = comm.all_gather(to_bytes([t for p in mine for t in p.tensors]))
     yield [work]
-    seen: list = []
+    seen: list[Payload] = []
     _decode_gathered(codec, mine, gathered, outs, seen)
     if received is not None:
         received(seen)
@@ -97,31 +105,36 @@ class TwoStepExchange:
 
     aggregation = Aggregation.REQUANTIZE
 
-    def __init__(self, comm: Collectives, codec: Codec):
+    def __init__(self, comm: Collectives, codec: Codec) -> None:
         self.comm, self.codec = comm, codec
         self.check = codec.preserves_nonfinite  # finiteness read from the gathered scales
 
-    def _whole_group(self, ctx, x: torch.Tensor) -> bool:
+    def _whole_group(self, ctx: Context, x: torch.Tensor) -> bool:
         """Whether ``x`` travels in its group's single payload: tensors whose last bucket pads them by at most
         1 % (:func:`~.layout.fills_buckets`), without server error feedback (kept per tensor chunk)."""
         return (ctx.transforms.server is None and self.codec.slices_by_bucket()
-                and fills_buckets(x.numel(), self.codec.bucket))
+                and fills_buckets(x.numel(), cast("Bucketed", self.codec).bucket))  # slices_by_bucket: Bucketed
 
-    def job(self, ctx, keys, inputs, outs) -> Job:
+    def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+            outs: Sequence[torch.Tensor]) -> Job:
         """The job (encoded now, its rounds when driven): the bucketed and the chunked tensors side by side."""
         if self.comm.world == 1:
             return self._alone(ctx, keys, inputs, outs)
         # decided per tensor, so results do not depend on how tensors are grouped
         whole = [self._whole_group(ctx, x) for x in inputs]
-        parts = [[v for v, w in zip(seq, whole) if w == flag] for flag in (True, False) for seq in (keys, inputs, outs)]
         jobs = []
-        if parts[0]:
-            jobs.append(BucketedExchange(self.comm, self.codec, self.check).job(ctx, *parts[:3]))
-        if parts[3]:
-            jobs.append(self._chunked(ctx, *parts[3:]))
+        at = [i for i, w in enumerate(whole) if w]
+        if at:
+            bucketed = cast("Bucketed", self.codec)  # _whole_group took tensors only for codecs that slice by bucket
+            exchange = BucketedExchange(self.comm, bucketed, self.check)
+            jobs.append(exchange.job(ctx, _pick(keys, at), _pick(inputs, at), _pick(outs, at)))
+        at = [i for i, w in enumerate(whole) if not w]
+        if at:
+            jobs.append(self._chunked(ctx, _pick(keys, at), _pick(inputs, at), _pick(outs, at)))
         return one_job(jobs)
 
-    def _alone(self, ctx, keys, inputs, outs) -> Job:
+    def _alone(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+               outs: Sequence[torch.Tensor]) -> Job:
         codec = self.codec
         for k, x, out in zip(keys, inputs, outs):
             p = ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.REQUANTIZE)[0]
@@ -131,7 +144,8 @@ class TwoStepExchange:
         return
         yield  # a job with no rounds
 
-    def _chunked(self, ctx, keys, inputs, outs) -> Job:
+    def _chunked(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
+                 outs: Sequence[torch.Tensor]) -> Job:
         """The per-tensor two-step reduce: each tensor cut into W chunks, each chunk its own payload (O(tensors x W)
         calls; for tensors off the bucket grid and server error feedback)."""
         codec, world = self.codec, self.comm.world
@@ -141,11 +155,17 @@ class TwoStepExchange:
             chunked.append(ctx.transforms.encode(codec, k, x, [mix_seed(seed, j) for j in range(world)], world,
                                                  Aggregation.REQUANTIZE))
 
-        def reencode(i: int, mean_chunk: torch.Tensor):
-            return ctx.transforms.server_encode(codec, keys[i], mean_chunk, ctx.seed(keys[i], codec, salt=1))
+        def reencode(i: int, mean_chunk: torch.Tensor) -> Payload:
+            payload: Payload = ctx.transforms.server_encode(codec, keys[i], mean_chunk, ctx.seed(keys[i], codec, salt=1))
+            return payload
 
         yield from two_step_mean(self.comm, codec, chunked, outs, reencode,
                                  (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor)
+
+
+def _pick(seq: Sequence[T], at: list[int]) -> list[T]:
+    """The items of ``seq`` at the positions ``at``, in that order."""
+    return [seq[i] for i in at]
 
 
 __all__ = ["TwoStepExchange", "two_step_mean"]

@@ -21,11 +21,16 @@ Lightning's ``DDPStrategy`` and of ``DistributedDataParallel`` (``bucket_cap_mb`
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..adapters.ddp_hook import register
 from ..compressor import Compressor
+
+if TYPE_CHECKING:
+    from ..config import Spec
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -34,7 +39,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
                       f"(or pip install lightning) ({err})") from err
 
 
-def _parameters(fn) -> set[str]:
+def _parameters(fn: Callable[..., object]) -> set[str]:
     return {n for n, p in inspect.signature(fn).parameters.items()
             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
@@ -45,11 +50,32 @@ STRATEGY_OPTIONS = (_parameters(DDPStrategy.__init__) | _parameters(torch.nn.par
 
 
 class CompressedDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` whose DDP model averages gradients through a :class:`gradcompress.Compressor`."""
+    """Lightning's ``DDPStrategy`` whose DDP model averages gradients through a :class:`gradcompress.Compressor`.
+
+    What is sent: what :func:`gradcompress.register_ddp_hook` sends (each bucket through the codec, on any device,
+    CPU included); its bias is the codec's (:func:`gradcompress.make`).
+
+    Args:
+        spec: a codec spec (``"int8"``, ``"powersgd:rank=4"``, ...), a dict or a codec.
+        **options: routed by name: the Compressor's (``error_feedback``, ``momentum``, ``warmup_steps``,
+            ``min_numel``, ...) build ``strategy.compressor``; Lightning's ``DDPStrategy``'s and
+            ``DistributedDataParallel``'s (``bucket_cap_mb``, ``find_unused_parameters``, ...) go to the strategy.
+
+    Raises:
+        ValueError: an option of neither; a bad spec or Compressor option.
+
+    Example::
+
+        >>> from gradcompress.integrations.lightning import CompressedDDPStrategy
+        >>> strategy = CompressedDDPStrategy("int8", warmup_steps=10, find_unused_parameters=False)
+        >>> strategy.compressor.warmup_steps      # then lightning.Trainer(strategy=strategy, devices=...)
+        10
+    """
 
     strategy_name = "gradcompress_ddp"
 
-    def __init__(self, spec, **options):
+    # options: Any, each goes to the Compressor's or the strategy's keyword of its own name (and type)
+    def __init__(self, spec: Spec, **options: Any) -> None:
         unknown = sorted(set(options) - COMPRESSOR_OPTIONS - STRATEGY_OPTIONS)
         if unknown:
             raise ValueError(f"CompressedDDPStrategy: unknown option {unknown[0]!r}; Compressor options: "

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
-import time
-from typing import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -35,7 +34,15 @@ from .. import topology as topology_mod
 from ..collectives import LocalCollectives
 from ..compressor import Compressor
 from ..spec import make
-from .exchanging import local_collectives, params_text, refuse_manager
+from .exchanging import ExchangingOptimizer, refuse_manager
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.optim.optimizer import ParamsT
+    from torchft.manager import Manager
+
+    from ..codecs.base import Codec
+    from ..config import Spec, TopologyOption
 
 #: the learning rate of the paper's OLMo runs (sign updates)
 DEFAULT_LR = 4e-4
@@ -63,7 +70,7 @@ def _check_group(lr, momentum_decay, weight_decay, sign) -> None:
         raise ValueError(f"DeMo: sign must be True or False, got {sign!r}")
 
 
-def demo_codec(chunk: int, topk: int, values=None):
+def demo_codec(chunk: int, topk: int, values: Spec | None = None) -> Codec:
     """The ``dct`` codec DeMo sends its momentum through; ``ValueError`` (naming DeMo) for bad options."""
     for name, v in (("chunk", chunk), ("topk", topk)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
@@ -77,7 +84,7 @@ def demo_codec(chunk: int, topk: int, values=None):
         raise ValueError(f"DeMo: {err}") from None
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(ExchangingOptimizer):
     """Decoupled momentum: each worker's momentum stays local; only its top-k DCT components per chunk travel.
 
     What is sent, per step and parameter: for each chunk, ``topk`` (position, value) pairs of the momentum's DCT,
@@ -130,9 +137,10 @@ class DeMo(torch.optim.Optimizer):
     ``momentum`` (this rank's: save one checkpoint per rank); resuming continues bit for bit.
     """
 
-    def __init__(self, params, lr: float = DEFAULT_LR, *, momentum_decay: float = 0.999, chunk: int = 64,
-                 topk: int = 32, sign: bool = True, weight_decay: float = 0.0, process_group=None,
-                 topology="flat", values=None, manager=None):
+    def __init__(self, params: ParamsT, lr: float = DEFAULT_LR, *, momentum_decay: float = 0.999, chunk: int = 64,
+                 topk: int = 32, sign: bool = True, weight_decay: float = 0.0,
+                 process_group: dist.ProcessGroup | None = None, topology: TopologyOption = "flat",
+                 values: Spec | None = None, manager: Manager | None = None) -> None:
         refuse_manager(type(self).__name__, manager)
         topology_mod.check(topology, "none")
         _check_group(lr, momentum_decay, weight_decay, sign)
@@ -167,32 +175,13 @@ class DeMo(torch.optim.Optimizer):
         wire; ``comm_seconds``; ``codec_seconds``: the rest of the time in :meth:`step`; ``inter_node_bytes`` /
         ``intra_node_bytes`` / ``topology``: the Compressor's.
         """
-        c = self._compressor.stats() if self._compressor else {
-            "wire_bytes": 0, "comm_seconds": 0.0, "inter_node_bytes": 0, "intra_node_bytes": 0, "topology": None}
-        raw, wire = self._counters["raw_bytes"], c["wire_bytes"]
-        return {"steps": self._counters["steps"], "skipped": self._counters["skipped"], "raw_bytes": raw,
-                "wire_bytes": wire, "ratio": raw / wire if wire else float("inf") if raw else 1.0,
-                "comm_seconds": c["comm_seconds"],
-                "codec_seconds": max(0.0, self._counters["seconds"] - c["comm_seconds"]),
-                "inter_node_bytes": c["inter_node_bytes"], "intra_node_bytes": c["intra_node_bytes"],
-                "topology": c["topology"]}
-
-    def bytes_sent(self) -> int:
-        """``stats()["wire_bytes"]``: bytes this rank has transmitted so far."""
-        return self._compressor.stats()["wire_bytes"] if self._compressor else 0
+        return {"steps": self._counters["steps"], "skipped": self._counters["skipped"], **self._exchange_stats()}
 
     def payload_bytes(self) -> int:
         """Bytes one step's payloads of this rank take (every parameter with a gradient), by the codec's
         arithmetic: a step transmits ``(W-1)`` times this."""
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         return sum(self.codec.payload_nbytes(p.numel(), tuple(p.shape)) for p in params)
-
-    def state_dict(self) -> dict:
-        """``torch.optim.Optimizer``'s state dict, with copies of the state tensors (not live references)."""
-        sd = super().state_dict()
-        sd["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                       for k, s in sd["state"].items()}
-        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict; the momenta stay float32 (torch would cast them to the parameter's dtype)."""
@@ -206,20 +195,7 @@ class DeMo(torch.optim.Optimizer):
                 self.state[p] = {n: v.to(device=p.device, dtype=torch.float32) if n == "momentum" else v
                                  for n, v in saved[sid].items()}
 
-    # ------------------------------------------------------------------ the step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One step on every rank of the group (a collective call: every rank must make it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        started = time.perf_counter()
-        with self._begin() as step:
-            self._exchange_and_update(step)
-        self._counters["seconds"] += time.perf_counter() - started
-        return loss
-
+    # ------------------------------------------------------------------ the step (ExchangingOptimizer.step)
     def _active(self) -> list:
         """(key, group, parameter, state) of every parameter with a gradient; key = position among all."""
         out, key = [], -1
@@ -237,11 +213,11 @@ class DeMo(torch.optim.Optimizer):
                 out.append((key, group, p, state))
         return out
 
-    def _exchange_and_update(self, step) -> None:
+    def _exchange_and_update(self, step, loss):
         active = self._active()
         if not active:
             step.end()
-            return
+            return loss
         self._counters["steps"] += 1
         self._counters["raw_bytes"] += 4 * sum(p.numel() for _, _, p, _ in active)
         momenta, residues = [], []
@@ -255,11 +231,12 @@ class DeMo(torch.optim.Optimizer):
         step.drive([step.exchange([k for k, _, _, _ in active], momenta)])  # momenta now hold the mean
         if not step.end():  # some rank's momentum was non-finite: skip everywhere, nothing changes
             self._counters["skipped"] += 1
-            return
+            return loss
         for (_, group, p, state), mean, residue in zip(active, momenta, residues):
             state["momentum"] = residue
             state["step"] += 1
             self._update(group, p, mean)
+        return loss
 
     @staticmethod
     def _update(group: dict, p: torch.Tensor, mean: torch.Tensor) -> None:
@@ -273,31 +250,24 @@ class DeMo(torch.optim.Optimizer):
         if p32 is not p:
             p.copy_(p32)
 
-    def _begin(self):
-        """Open a step of the Compressor that carries the exchange (made at the first step)."""
-        if self._compressor is None:
-            self._local = local_collectives("DeMo", self.process_group)
-            # the momentum is the error-feedback buffer: the Compressor keeps none of its own
-            self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=False,
-                                          server_error_feedback=False, min_numel=0, topology=self.topology)
-        step = self._compressor.begin_step(self._local)
-        if self._compressor.hierarchy is not None:
+    def _make_compressor(self) -> Compressor:
+        """The DCT codec's Compressor; the momentum is the error-feedback buffer: the Compressor keeps none of its
+        own."""
+        return Compressor(self.codec, process_group=self.process_group, error_feedback=False,
+                          server_error_feedback=False, min_numel=0, topology=self.topology)
+
+    def _check_layout(self, step) -> None:
+        """A hierarchical exchange is refused: it would compress the node's summed momentum, not each worker's."""
+        hierarchy = cast(Compressor, self._compressor).hierarchy
+        if hierarchy is not None:
             step.abort()
             raise ValueError(f"DeMo: topology={self.topology!r} resolved to a hierarchical exchange "
-                             f"({self._compressor.hierarchy.topology.text}); DeMo needs every worker's own momentum "
+                             f"({hierarchy.topology.text}); DeMo needs every worker's own momentum "
                              "components to travel (it removes what it sent): pass topology='flat'")
-        if not self._checked:
-            step.comm.check_same(self._config(), "DeMo (parameters or hyperparameters)")
-            self._checked = True
-        return step
 
-    def _config(self) -> str:
-        groups = []
-        for g in self.param_groups:
-            shapes = params_text(g["params"])
-            groups.append(f"lr={g['lr']} momentum_decay={g['momentum_decay']} weight_decay={g['weight_decay']} "
-                          f"sign={g['sign']} params=[{shapes}]")
-        return f"{self.codec.spec}; " + "; ".join(groups)
+    def _group_text(self, group: dict) -> str:
+        return (f"lr={group['lr']} momentum_decay={group['momentum_decay']} weight_decay={group['weight_decay']} "
+                f"sign={group['sign']}")
 
 
 __all__ = ["DEFAULT_LR", "DeMo", "demo_codec"]

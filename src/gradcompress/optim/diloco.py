@@ -56,32 +56,37 @@ DiLoCo's whole group is refused (there would be nothing left to average).
 
 from __future__ import annotations
 
-import itertools
 import numbers
-import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ..collectives import LocalCollectives
+from ..collectives import ddp_bytes, x_fewer_than_ddp
 from ..compressor import Compressor
 from ..config import is_auto
-from ..quorum import under
 from ..session import default_group
-from ..scheme import DILOCO_OUTERS, split_compressor_options
-from ..spec import make
-from . import streaming
+from . import diloco_exchange, diloco_quorum, diloco_shards, streaming
+from .diloco_exchange import SPARSELOCO_CODEC
+from .diloco_outer import OUTERS, SPARSELOCO_ERROR_DECAY, SPARSELOCO_OUTER_LR, OuterRule, OuterStep, check_outer
 
-#: the outer updates DiLoCo knows: DiLoCo's own (SGD with Nesterov momentum) and SparseLoCo's
-OUTERS = DILOCO_OUTERS
-#: SparseLoCo's outer-gradient codec: chunked top-k, 64 of every 4096 elements (1.5625 %), 2-bit values
-SPARSELOCO_CODEC = "topk:ratio=0.015625,chunk=4096,values=int2"
-#: SparseLoCo's error-feedback decay (beta) and outer learning rate (alpha)
-SPARSELOCO_ERROR_DECAY = 0.95
-SPARSELOCO_OUTER_LR = 1.0
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchft.manager import Manager
+
+    from ..config import Spec, TopologyOption
+
+#: DiLoCo without torch.distributed, a process_group or a manager: nothing to average over (as
+#: ``Compressor.synchronize``'s :data:`gradcompress.session.NOT_INITIALISED`)
+NOT_INITIALISED = (
+    "DiLoCo: torch.distributed is not initialised, so there is no group to average the outer gradients over; call "
+    "torch.distributed.init_process_group(...) first (or launch with torchrun, then init_process_group), or pass "
+    "process_group= (a group of it) or manager= (a torchft Manager). One process on its own: "
+    "torch.distributed.init_process_group(\"gloo\", store=torch.distributed.HashStore(), rank=0, world_size=1)")
 
 
-def ddp_nodes(ddp, process_group) -> int:
+def ddp_nodes(ddp: torch.nn.parallel.DistributedDataParallel, process_group: dist.ProcessGroup | None) -> int:
     """The workers per node G of a model wrapped in DDP on its node's group: the DDP group must be a block of G
     consecutive ranks of DiLoCo's ``process_group`` (not all of it); ``ValueError`` naming the fix otherwise."""
     group = dist.group.WORLD if process_group is None else process_group
@@ -130,6 +135,13 @@ def _layers_of(model_or_params, params: list) -> list[list[int]]:
 class DiLoCo:
     """Wraps an inner optimizer; every ``sync_every`` steps averages the outer gradient, compressed.
 
+    DiLoCo: `Douillard et al., 2023 <https://arxiv.org/abs/2311.08105>`_; ``outer="sparseloco"``: `SparseLoCo, 2025
+    <https://arxiv.org/abs/2508.15706>`_. What is sent: nothing between syncs; at each sync the outer gradient (the
+    anchor minus the parameters, H inner steps of progress) encoded by ``codec`` and averaged, so a run sends about
+    1/H of what DDP would, times the codec's ratio (``fragments=F``: about 1/F of it at each of F offsets). Bias:
+    the codec's (:func:`gradcompress.make`); error feedback (``"auto"``: on for the biased codecs; sparseloco's
+    decayed one) carries what a sync left out into the next.
+
     Args:
         model_or_params: the bare model or its parameters, or the model wrapped in
             ``DistributedDataParallel`` on its node's own group (module doc: DiLoCo between nodes, DDP inside).
@@ -149,8 +161,17 @@ class DiLoCo:
             the averaged outer gradient is set as each anchor's ``.grad`` before its step.
         error_feedback: as the Compressor's (``"auto"``: on for biased codecs).
         process_group: the group to average over (default: the world). Without an initialised
-            ``torch.distributed`` (and no group given) DiLoCo runs as a single process: its syncs
-            run the same code on :class:`gradcompress.collectives.LocalCollectives` and send nothing.
+            ``torch.distributed``, no group and no ``manager`` there is nothing to average over: a
+            ``RuntimeError`` (:data:`NOT_INITIALISED`) says so, as ``Compressor.synchronize`` does (one process
+            of its own: ``init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)``).
+            A model sharded with ``fully_shard`` (DTensor parameters) over each replica's own mesh: the group of
+            the ranks that hold the same shard in every replica (``mesh.get_group("replicate")``; required), and
+            each rank syncs its own shards with them (:mod:`gradcompress.optim.diloco_shards`).
+        mesh: instead of ``process_group``, for a sharded model: the 2-D ``DeviceMesh`` (dim 0 replicate, dim 1
+            shard; the model sharded over ``mesh["shard"]``), as :func:`gradcompress.register_fsdp` takes it.
+            A model sharded natively over the 2-D mesh (``fully_shard(model, mesh=mesh)``, torchtitan's HSDP)
+            needs neither (or ``mesh=`` that same mesh): DiLoCo makes its FSDP modules reduce within the shard
+            dimension only (the replicas train apart between syncs) and syncs across the mesh's dim 0.
         seed: seeds the codec's random choices.
         topology: the outer exchange's (:mod:`gradcompress.topology`). Default: the DDP group's size G for a
             model wrapped in DDP on its node's group (hierarchical: each worker sends 1/G of the outer
@@ -171,86 +192,179 @@ class DiLoCo:
             parameters (the same seed): nothing is broadcast at construction. Streaming under torchft: each
             fragment's exchange is one torchft step (``delay`` at most ``sync_every // fragments``: applied before
             the next is sent); one that fails (a peer died, the quorum changed) is skipped on every replica and its
-            fragment restarts from its anchor; a replica that joins heals at its first exchange (the exchange
-            fails if it sent another fragment than its peers) and restarts every fragment from the anchors.
+            fragment keeps its local parameters: their progress goes into its next exchange (a replica whose
+            fragment is non-finite restarts it from its anchor); a replica that joins heals at its first exchange
+            (the exchange fails if it sent another fragment than its peers) and restarts every fragment from the
+            anchors.
+
+    Raises:
+        ValueError: ``sync_every`` < 1, an inner optimizer that is not a ``torch.optim.Optimizer``, parameter
+            groups or no trainable parameter, ``codec="auto"``, a DDP model over DiLoCo's whole group, a ``delay``
+            that does not fit (with DDP, under torchft), a bad codec or option (the message says which).
+        RuntimeError: no initialised ``torch.distributed``, no ``process_group`` and no ``manager``.
+
+    Example::
+
+        >>> import torch, torch.distributed as dist
+        >>> from gradcompress.optim import DiLoCo
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(64, 32)
+        >>> opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=2, codec="int4")
+        >>> for _ in range(4):      # 4 inner steps: 2 syncs of int4 outer gradients
+        ...     model(torch.randn(8, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        >>> opt.stats()["syncs"]
+        2
+        >>> dist.destroy_process_group()
 
     At construction every rank starts from rank 0's parameters (one broadcast). ``step()``
     runs the inner optimizer's step and, every ``sync_every`` calls, the sync;
     ``zero_grad()`` forwards to the inner optimizer, and ``param_groups`` is the inner
     optimizer's, so LR schedulers keep working on either.
+
+    Its parts, each with one job: the fragment schedule (:class:`gradcompress.optim.streaming.Schedule`: when to
+    send and apply which fragment), the exchange of outer gradients
+    (:class:`gradcompress.optim.diloco_exchange.OuterExchange`: compress and average them, one Compressor per
+    fragment), the outer step (:class:`gradcompress.optim.diloco_outer.OuterStep`: the anchors and the outer
+    optimizer that applies the average) and the quorum (:class:`gradcompress.optim.diloco_quorum.Replicas`: who
+    takes part, whether an update applies, torchft's state transfer). Their attributes are DiLoCo's read-only
+    properties of the same names as before (``anchor``, ``outer``, ``compressor``, ``compressors``, ``parts``,
+    ``inner_steps``, ``flight``, ...).
     """
 
-    def __init__(self, model_or_params, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
-                 codec=None, outer: str = "nesterov", outer_lr: float | None = None, outer_momentum: float = 0.9,
-                 nesterov: bool = True, error_decay: float | None = None, outer_optimizer=None,
-                 error_feedback="auto", process_group=None, seed: int = 0, topology=None, manager=None,
-                 fragments: int = 1, delay: int = 0, mix: float | None = None):
-        self.outer_kind = check_outer(outer)
-        sparse = self.outer_kind == "sparseloco"
-        outer_lr = _check_numbers(sync_every, inner_optimizer, outer_lr, outer_momentum, sparse)
-        self.error_decay = _error_decay(error_decay, sparse)
+    def __init__(self, model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter],
+                 inner_optimizer: torch.optim.Optimizer, *, sync_every: int, codec: Spec | None = None,
+                 outer: str = "nesterov", outer_lr: float | None = None, outer_momentum: float = 0.9,
+                 nesterov: bool = True, error_decay: float | None = None,
+                 outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 error_feedback: bool | Literal["auto"] = "auto", process_group: dist.ProcessGroup | None = None,
+                 seed: int = 0, topology: TopologyOption | None = None, manager: Manager | None = None,
+                 fragments: int = 1, delay: int = 0, mix: float | None = None,
+                 mesh: DeviceMesh | None = None) -> None:
+        kind = check_outer(outer)
+        _check_inner(sync_every, inner_optimizer)
+        rule = OuterRule.of(kind, outer_lr, outer_momentum, nesterov, error_decay, outer_optimizer)
         if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
             per_node = ddp_nodes(model_or_params, process_group)
             topology = per_node if topology is None else topology
-        self.params = _params_of(model_or_params)
+        params = _params_of(model_or_params)
         self.inner = inner_optimizer
-        self.sync_every = int(sync_every)
-        layers = _layers_of(model_or_params, self.params)
-        self.fragments, self.delay, self.mix = streaming.check(fragments, delay, mix, self.sync_every, len(layers))
-        _check_combination(self.fragments, self.delay, manager, model_or_params, codec, self.sync_every)
-        self.manager = manager
-        if self.delay > 0 and manager is None and (process_group is not None or default_group() is not None):
-            # the exchanges in flight get a group of their own: collectives the training thread issues meanwhile
-            # (a logged loss, a barrier) cannot interleave with them
-            process_group = _own_group(process_group)
-        build = Compressor if manager is None else _managed(manager, process_group, topology, _Schedule(self))
-        if sparse:
-            def make():
-                return _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed,
-                                              build)
-        else:
-            def make():
-                return build("none" if codec is None else codec, process_group=process_group,
-                             error_feedback=error_feedback, seed=seed, topology="auto" if topology is None else topology)
-        self.compressors = [make() for _ in range(self.fragments)]  # one per fragment: its own residuals
-        self.compressor = self.compressors[0]  # fragments=1: the one Compressor
-        self.parts = streaming.fragments_of(layers, self.fragments)
-        self.flight: dict[int, streaming.InFlight] = {}  # fragment -> sent, not yet applied
-        self.courier = streaming.Courier()
-        self.sync_bytes: list[int] = []  # wire bytes of each fragment's exchange, in the order they ran
-        self.wait_seconds = 0.0  # the training thread's waits for exchanges (at apply steps only)
+        self.schedule = streaming.Schedule(sync_every, fragments, delay, mix, _layers_of(model_or_params, params),
+                                           isinstance(model_or_params, torch.nn.Module))
+        _check_combination(self.schedule, manager, model_or_params, codec)
+        # sharded (DTensor) parameters: their local shards, synced across the replicas (None: plain, as before); a
+        # model sharded natively over a 2-D mesh is made to reduce within its shards (checked before: a refused
+        # DiLoCo leaves it as it was)
+        model = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
+        self.params, process_group, self.shards = diloco_shards.resolve(params, process_group, mesh, manager,
+                                                                        model)
+        self.quorum = diloco_quorum.Replicas(manager)
+        alone = manager is None and process_group is None and default_group() is None  # refused below
+        if self.schedule.delay > 0 and manager is None and not alone:
+            process_group = diloco_exchange.own_group(process_group)  # the exchanges in flight: a group of their own
+        build = self.quorum.compressors(process_group, topology, self.schedule)
+        compressors = diloco_exchange.compressors(build, rule, self.schedule.fragments, codec, error_feedback,
+                                                  topology, process_group, seed)  # one per fragment: its residuals
+        if alone:  # after every argument's check: a wrong argument is named first
+            raise RuntimeError(NOT_INITIALISED)
+        self.exchange = diloco_exchange.OuterExchange(compressors, self.quorum, rule.error_decay)
         self.process_group = process_group
-        # without torch.distributed (and no group): a single process, its syncs on explicit local collectives
-        local = manager is None and process_group is None and default_group() is None
-        self._local = LocalCollectives(1) if local else None
         if manager is None:  # under torchft the replicas start alike (same seed) and heal from a peer's state
             self._broadcast_from_rank0()
-        self.anchor = [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
-        self.outer = _outer_optimizer(self.anchor, sparse, outer_lr, outer_momentum, nesterov, outer_optimizer)
-        self.inner_steps = 0
+        self.outer_step = OuterStep(self.params, rule)
         self.syncs = 0
         self.skipped = 0
-        self.sent_at = 0  # the inner step of the latest send (its position in the schedule)
-        self.agreed: int | None = None  # under torchft: the quorum's position for that send (_Schedule.agree)
-        self.healed = False  # under torchft: this replica took a peer's anchors in the exchange in flight
         if manager is not None:  # a rejoining replica receives the anchor, outer state and counters
-            manager.register_state_dict_fn(f"{self.compressor.coordinator.state_key}.diloco", self._load_shared,
-                                           self._shared_state)
+            self.quorum.share(self._shared_state, self._load_shared)
+
+    # ------------------------------------------------------------------ the parts, as DiLoCo always named them
+    @property
+    def compressors(self) -> list[Compressor]:
+        """The outer exchange's Compressors, one per fragment."""
+        return self.exchange.compressors
+
+    @property
+    def compressor(self) -> Compressor:
+        """The first fragment's Compressor (``fragments=1``: the one Compressor)."""
+        return self.exchange.compressors[0]
+
+    @property
+    def anchor(self) -> list[torch.nn.Parameter]:
+        """The anchors: the parameters as last synchronised (this rank's shards when sharded)."""
+        return self.outer_step.anchor
+
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        """The outer optimizer over the anchors."""
+        return self.outer_step.optimizer
+
+    @property
+    def outer_kind(self) -> str:
+        """``outer=``: ``"nesterov"`` or ``"sparseloco"``."""
+        return self.outer_step.rule.kind
+
+    @property
+    def error_decay(self) -> float:
+        """SparseLoCo's error-feedback decay (1.0: none)."""
+        return self.outer_step.rule.error_decay
+
+    @property
+    def manager(self) -> Manager | None:
+        """The torchft ``Manager`` (None: none)."""
+        return self.quorum.manager
+
+    @property
+    def sync_every(self) -> int:
+        return self.schedule.sync_every
+
+    @property
+    def fragments(self) -> int:
+        return self.schedule.fragments
+
+    @property
+    def delay(self) -> int:
+        return self.schedule.delay
+
+    @property
+    def mix(self) -> float:
+        return self.schedule.mix
+
+    @property
+    def parts(self) -> list[list[int]]:
+        """The parameters' positions by fragment."""
+        return self.schedule.parts
+
+    @property
+    def inner_steps(self) -> int:
+        return self.schedule.steps
+
+    @property
+    def flight(self) -> dict[int, streaming.InFlight]:
+        """Fragment -> its exchange, sent and not yet applied."""
+        return self.exchange.flight
+
+    @property
+    def sync_bytes(self) -> list[int]:
+        """The wire bytes of each fragment's exchange, in the order they ran."""
+        return self.exchange.sync_bytes
+
+    @property
+    def wait_seconds(self) -> float:
+        """The training thread's waits for exchanges (at apply steps only)."""
+        return self.exchange.wait_seconds
 
     # ------------------------------------------------------------------ optimizer interface
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One inner step; then the fragments whose update is due are applied and those due are sent (the sends
         are collectives: every rank steps alike)."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
-        self.inner_steps += 1
-        self._stream(self.inner_steps)
+        self._stream(self.schedule.tick())
         return loss
 
     @torch.no_grad()
@@ -262,126 +376,102 @@ class DiLoCo:
         is skipped on every rank and it restarts from its unchanged anchor (``stats()["skipped"]``).
         """
         finite = True
-        for f in sorted(self.flight):  # first: no exchange runs on the courier while the training thread sends
+        for f in sorted(self.exchange.flight):  # first: no exchange runs on the courier while the training thread sends
             finite &= self._apply(f)
-        for f in range(self.fragments):
-            self._send(f, self.inner_steps, now=True)
+        for f in range(self.schedule.fragments):
+            self._send(f, self.schedule.steps, now=True)
             finite &= self._apply(f)
         return finite
 
     def _stream(self, t: int) -> None:
         """After inner step ``t``: apply the fragments due (waiting for their exchange), then send those due."""
-        for f in range(self.fragments):
-            flight = self.flight.get(f)
-            if flight is not None and flight.apply_at <= t:
+        for f in self.schedule.applies(self.exchange.flight, t):
+            self._apply(f)
+        t = self.schedule.steps  # a replica healed at that apply counts as its peers now
+        blocking = self.schedule.delay == 0
+        for f in self.schedule.sends(t):
+            self._send(f, t, now=blocking)
+            if blocking:
                 self._apply(f)
-        t = self.inner_steps  # a replica healed at that apply counts as its peers now
-        for f in range(self.fragments):
-            if streaming.due(t, f, self.fragments, self.sync_every):
-                self._send(f, t, now=self.delay == 0)
-                if self.delay == 0:
-                    self._apply(f)
 
     @torch.no_grad()
     def _send(self, f: int, t: int, now: bool) -> None:
-        """Fragment f's outer gradients (anchor - local), handed to the courier (``now``: exchanged at once)."""
-        self.sent_at = t
-        if self.manager is not None:
-            self.manager.start_quorum()  # who is live now; a rejoining replica heals at should_commit below
-        keys = self.parts[f]
-        grads = [(self.anchor[i].detach() - self.params[i].detach()).to(self.anchor[i].dtype) for i in keys]
-        comp = self.compressors[f]
-        if self.outer_kind == "sparseloco" and self.error_decay != 1.0:
-            self._decay_residuals(comp, keys, grads)
-
-        def exchange():
-            before = comp.stats()["wire_bytes"]
-            with comp.step(self._local) as step:
-                step.drive([step.exchange(keys, grads)])
-            self.sync_bytes.append(comp.stats()["wire_bytes"] - before)
-            return step if self.manager is not None else bool(step.committed)  # torchft: decided at the apply
-
-        self.flight[f] = streaming.InFlight(f, grads, t + self.delay, self.courier.send(exchange, now))
+        """Fragment f's outer gradients (anchor - local), handed to the exchange (``now``: exchanged at once)."""
+        apply_at = self.schedule.sent(t)
+        self.quorum.start()  # under torchft: who is live now; a rejoining replica heals at the decision
+        keys = self.schedule.parts[f]
+        self.exchange.send(f, keys, self.outer_step.gradients(keys, self.params), apply_at, now)
 
     @torch.no_grad()
     def _apply(self, f: int) -> bool:
-        """Wait for fragment f's exchange, step its anchors by the average (skipped if some rank was non-finite),
-        blend them into the local parameters (``mix``)."""
-        finite = self._settled(f)
-        flight = self.flight.pop(f)
-        keys = self.parts[f]
+        """Wait for fragment f's exchange, step its anchors by the average and blend them into the local parameters
+        (``mix``). Skipped if some rank was non-finite (the fragment restarts from its anchor) or, under torchft,
+        lost (not committed: the fragment keeps its local parameters)."""
+        finite, flight = self.exchange.receive(f)
+        keys = self.schedule.parts[f]
         self.syncs += 1
-        healed, self.healed = self.healed, False
-        agreed, self.agreed = self.agreed, None
-        if agreed is not None:  # count as the quorum did (its send step, plus the steps since this one's send)
-            self.inner_steps = agreed + self.inner_steps - (flight.apply_at - self.delay)
+        healed = self.quorum.take_healed()
+        self.schedule.applied(flight.apply_at)
         if finite:
-            for i, g in zip(keys, flight.grads):
-                self.anchor[i].grad = g
-            self.outer.step()
-            for i in keys:
-                self.anchor[i].grad = None
+            self.outer_step.step(keys, flight.grads)
         else:
             self.skipped += 1
-        for i in range(len(self.params)) if healed else keys:  # healed: every fragment restarts from its anchor
-            if self.mix == 1.0 or not finite or healed:  # so does a skipped one
-                self.params[i].copy_(self.anchor[i])
-            else:
-                self.params[i].mul_(1.0 - self.mix).add_(self.anchor[i], alpha=self.mix)
+        if healed:  # every fragment restarts from the anchors just received
+            self.outer_step.land(self.params, range(len(self.params)), 1.0)
+        elif finite:
+            self.outer_step.land(self.params, keys, self.schedule.mix)
+        elif not (flight.lost and self.outer_step.finite(self.params, keys)):  # some rank was non-finite
+            self.outer_step.land(self.params, keys, 1.0)  # the fragment restarts from its unchanged anchor
+        # else lost under torchft (a peer died in it): the fragment keeps its local parameters, whose progress its
+        # next exchange sends (restarting it from its anchor would throw away every inner step since its last apply)
         return finite
-
-    def _settled(self, f: int) -> bool:
-        """Fragment f's exchange waited for and, under torchft, decided: whether its update applies. The Manager
-        is asked (``should_commit``) here, in the training thread, never in the courier's: healing a replica
-        loads the user's state too (the Manager's ``load_state_dict``), which must not run during a backward."""
-        flight = self.flight[f]
-        start = time.perf_counter()
-        outcome = flight.result.result()
-        if not isinstance(outcome, bool):  # a step under torchft, closed and waiting for the Manager's decision
-            agreed = self.manager.should_commit()
-            outcome.decide(agreed)
-            outcome = bool(agreed and outcome.finite)
-            self.flight[f] = flight._replace(result=streaming.done(outcome))
-        self.wait_seconds += time.perf_counter() - start
-        return outcome
 
     # ------------------------------------------------------------------ reporting and checkpoints
     def stats(self) -> dict:
         """``steps`` (inner), ``syncs`` (fragment syncs applied; with ``fragments=1`` whole syncs), ``skipped``
         (non-finite ones), ``raw_bytes`` (outer gradients' own size, summed over syncs), ``wire_bytes`` (what this
-        rank transmitted since the start), ``ratio``, ``codec_seconds``, ``comm_seconds``, the Compressors'
+        rank transmitted since the start), ``ratio`` (raw / wire, per sync), ``ddp_bytes`` (what DDP's ring
+        all-reduce of these parameters' gradients would have sent from this rank in as many steps: 2 (W-1)/W x their
+        bytes x ``steps``, W the group's size), ``x_fewer_than_ddp`` (``ddp_bytes`` / ``wire_bytes``: per step,
+        averaged over the run; ``inf`` before the first send), ``codec_seconds``, ``comm_seconds``, the Compressors'
         ``inter_node_bytes``, ``intra_node_bytes`` and ``topology``; ``fragments``, ``delay``, ``mix``,
         ``peak_sync_bytes`` (the most one fragment's exchange sent) and ``wait_seconds`` (the training thread's
         waits for exchanges)."""
-        every = [c.stats() for c in self.compressors]
-        total = {k: sum(st[k] for st in every) for k in ("raw_bytes", "wire_bytes", "codec_seconds",
-                                                             "comm_seconds", "inter_node_bytes", "intra_node_bytes")}
+        total = self.exchange.totals()
+        topology = total.pop("topology")
         wire, raw = total["wire_bytes"], total["raw_bytes"]
-        return {"steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped, **total,
-                "ratio": raw / wire if wire else float("inf") if raw else 1.0, "topology": every[0]["topology"],
-                "fragments": self.fragments, "delay": self.delay, "mix": self.mix,
-                "peak_sync_bytes": max(self.sync_bytes, default=0), "wait_seconds": self.wait_seconds,
-                "param_bytes": 0}
+        steps, schedule = self.schedule.steps, self.schedule
+        grads = steps * sum(a.numel() * a.element_size() for a in self.anchor)  # DDP's, every step
+        world = self.compressor.session.world()
+        return {"steps": steps, "syncs": self.syncs, "skipped": self.skipped, **total,
+                "ratio": raw / wire if wire else float("inf") if raw else 1.0, "topology": topology,
+                "ddp_bytes": ddp_bytes(grads, world), "x_fewer_than_ddp": x_fewer_than_ddp(grads, wire, world),
+                "fragments": schedule.fragments, "delay": schedule.delay, "mix": schedule.mix,
+                "peak_sync_bytes": max(self.exchange.sync_bytes, default=0),
+                "wait_seconds": self.exchange.wait_seconds, "param_bytes": 0}
 
     def state_dict(self) -> dict:
         """The anchor, the outer and inner optimizers' state, the residuals and the step counters
         (tensors and plain values: ``torch.load(..., weights_only=True)`` reads it). Streaming: a fragment whose
         exchange is in flight is waited for first (every rank runs it, whoever saves), and its averaged outer
         gradients are saved with the step they apply at: a resumed run applies them there, exactly (under torchft
-        its commit is decided then: save on every replica at the same step)."""
-        finished = {f: self._settled(f) for f in list(self.flight)}  # first: their Compressors commit
-        state = {"anchor": [a.detach().clone() for a in self.anchor], "outer": self.outer.state_dict(),
+        its commit is decided then: save on every replica at the same step). Sharded (DTensor) parameters: the
+        anchors and residuals are this rank's shards, and ``"shards"`` their layout, which the load checks (one
+        file per rank)."""
+        exchange, schedule = self.exchange, self.schedule
+        finished = {f: exchange.settled(f) for f in list(exchange.flight)}  # first: their Compressors commit
+        state = {"anchor": self.outer_step.anchors(), "outer": self.outer.state_dict(),
                  "inner": self.inner.state_dict(), "compressor": self.compressor.state_dict(),
-                 "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped}
+                 "inner_steps": schedule.steps, "syncs": self.syncs, "skipped": self.skipped}
+        if self.shards is not None:  # the local shards' layout, checked at the load
+            state["shards"] = self.shards.layout
         if self.outer_kind != "nesterov":  # (the nesterov state dict stays what it always was)
             state["outer_kind"] = self.outer_kind
-        if self.fragments > 1 or self.delay > 0:
-            flights = [self.flight[f] for f in sorted(self.flight)]
+        if schedule.fragments > 1 or schedule.delay > 0:
             state["streaming"] = {
-                "fragments": self.fragments, "delay": self.delay,
-                "compressors": [c.state_dict() for c in self.compressors],
-                "in_flight": [{"fragment": x.fragment, "apply_at": x.apply_at, "finite": bool(finished[x.fragment]),
-                               "grads": [g.clone() for g in x.grads]} for x in flights]}
+                "fragments": schedule.fragments, "delay": schedule.delay,
+                "compressors": [c.state_dict() for c in exchange.compressors],
+                "in_flight": exchange.in_flight_state(finished)}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -390,26 +480,24 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: the checkpoint was saved with outer={saved!r}, this DiLoCo has "
                              f"outer={self.outer_kind!r}; resume with the same outer")
         stream = state.get("streaming", {"fragments": 1, "delay": 0})
-        if (stream["fragments"], stream["delay"]) != (self.fragments, self.delay):
+        fragments, delay = self.schedule.fragments, self.schedule.delay
+        if (stream["fragments"], stream["delay"]) != (fragments, delay):
             raise ValueError(f"DiLoCo: the checkpoint was saved with fragments={stream['fragments']}, "
-                             f"delay={stream['delay']}; this DiLoCo has fragments={self.fragments}, "
-                             f"delay={self.delay}; resume with the same")
-        with torch.no_grad():
-            for a, saved in zip(self.anchor, state["anchor"]):
-                a.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
+                             f"delay={stream['delay']}; this DiLoCo has fragments={fragments}, "
+                             f"delay={delay}; resume with the same")
+        diloco_shards.check(self.shards, state.get("shards"))
+        self.outer_step.load(state["anchor"], state["outer"])
         self.inner.load_state_dict(state["inner"])
-        for comp, saved in zip(self.compressors, stream.get("compressors", [state["compressor"]])):
+        for comp, saved in zip(self.exchange.compressors, stream.get("compressors", [state["compressor"]])):
             comp.load_state_dict(saved)
-        self.flight = {x["fragment"]: streaming.InFlight(x["fragment"], [g.clone() for g in x["grads"]],
-                                                         x["apply_at"], streaming.done(x["finite"]))
-                       for x in stream.get("in_flight", [])}
-        self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
+        self.exchange.restore(stream.get("in_flight", []))
+        self.schedule.resume(int(state["inner_steps"]))
+        self.syncs = int(state["syncs"])
         self.skipped = int(state.get("skipped", 0))
 
     def close(self) -> None:
         """Wait for the exchanges in flight and stop the streaming thread (also done at interpreter exit)."""
-        self.courier.close()
+        self.exchange.close()
 
     # ------------------------------------------------------------------ torchft's state transfer
     def _shared_state(self) -> dict:
@@ -417,87 +505,35 @@ class DiLoCo:
         no collective). Nothing else is in flight then (:func:`_check_combination`: one exchange at a time, applied
         before the next send), and the training thread touches the anchors and the outer state only when applying
         this exchange, which waits for the quorum: they are the state before it. The step count is agreed in
-        the exchange itself (:meth:`agree`)."""
-        return {"anchor": [a.detach().clone() for a in self.anchor], "outer": _cloned(self.outer.state_dict()),
-                "syncs": self.syncs, "skipped": self.skipped}
+        the exchange itself (:meth:`streaming.Schedule.agree`)."""
+        return {**self.outer_step.shared_state(), "syncs": self.syncs, "skipped": self.skipped}
 
-    @torch.no_grad()
     def _load_shared(self, state: dict) -> None:
-        """A peer's :meth:`_shared_state` (torchft heals this replica inside ``should_commit``, which
-        :meth:`_settled` asks just before the apply): every fragment restarts from its anchor at that apply."""
-        for a, saved in zip(self.anchor, state["anchor"]):
-            a.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
+        """A peer's :meth:`_shared_state` (torchft heals this replica inside ``should_commit``, which the exchange
+        asks just before the apply): every fragment restarts from its anchor at that apply."""
+        self.outer_step.load(state["anchor"], state["outer"])
         self.syncs, self.skipped = state["syncs"], state["skipped"]
-        self.healed = True
-
-    # ------------------------------------------------------------------ internals
-    def _decay_residuals(self, comp, keys: list[int], outer_grads: list[torch.Tensor]) -> None:
-        """SparseLoCo's ``e <- beta e + delta`` through the Compressor's error feedback, which compresses
-        ``x + e``: ``x = delta - (1 - beta) e`` (in place). The committed residuals are only read."""
-        residuals = comp.residual
-        for key, g in zip(keys, outer_grads):
-            e = residuals.get(key)
-            if e is not None and e.shape == g.shape:
-                g.sub_(e.to(g.dtype), alpha=1.0 - self.error_decay)
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         group = self.process_group
-        if group is None and default_group() is None:
-            return  # a single process
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for p in self.params:
             dist.broadcast(p.data, src=src, group=group)
 
 
-def check_outer(outer) -> str:
-    """``outer=``: one of :data:`OUTERS`; ``ValueError`` naming them otherwise."""
-    if not isinstance(outer, str) or outer not in OUTERS:
-        raise ValueError(f"DiLoCo: outer must be one of {', '.join(OUTERS)}, got {outer!r}")
-    return outer
-
-
-def _error_decay(value, sparse: bool) -> float:
-    """The error-feedback decay: sparseloco's (default :data:`SPARSELOCO_ERROR_DECAY`), in [0, 1]."""
-    if value is None:
-        return SPARSELOCO_ERROR_DECAY if sparse else 1.0
-    if not sparse:
-        raise ValueError("DiLoCo: error_decay applies to outer='sparseloco' only")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
-        raise ValueError(f"DiLoCo: error_decay must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _check_numbers(sync_every, inner_optimizer, outer_lr, outer_momentum, sparse: bool) -> float:
-    """``sync_every``, the inner optimizer and the outer numbers checked; the outer learning rate (its default)."""
+def _check_inner(sync_every, inner_optimizer) -> None:
+    """``sync_every`` and the inner optimizer checked."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
         raise ValueError(f"DiLoCo: sync_every must be an integer >= 1, got {sync_every!r}")
     if not isinstance(inner_optimizer, torch.optim.Optimizer):
         raise ValueError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
                          f"{type(inner_optimizer).__name__}")
-    if outer_lr is None:
-        outer_lr = SPARSELOCO_OUTER_LR if sparse else 0.7
-    for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
-            raise ValueError(f"DiLoCo: {name} must be a number >= 0, got {value!r}")
-    return outer_lr
 
 
-def _outer_optimizer(anchor, sparse: bool, lr, momentum, nesterov, make) -> torch.optim.Optimizer:
-    """SparseLoCo's plain SGD, DiLoCo's SGD with Nesterov momentum, or the user's ``make(anchor)``."""
-    if sparse:  # no outer momentum: the decayed error-feedback buffer is the outer memory
-        return torch.optim.SGD(anchor, lr=lr, momentum=0.0)
-    if make is None:
-        return torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=bool(nesterov) and momentum > 0)
-    outer = make(anchor)
-    if not isinstance(outer, torch.optim.Optimizer):
-        raise ValueError("DiLoCo: outer_optimizer must return a torch.optim.Optimizer over the anchors")
-    return outer
-
-
-def _check_combination(fragments: int, delay: int, manager, model_or_params, codec, sync_every: int) -> None:
+def _check_combination(schedule: streaming.Schedule, manager, model_or_params, codec) -> None:
     """What DiLoCo refuses to combine, each with the reason."""
+    fragments, delay, sync_every = schedule.fragments, schedule.delay, schedule.sync_every
     if manager is not None and delay > sync_every // fragments:
         raise ValueError(f"DiLoCo: under torchft (manager=...) each fragment's exchange is one torchft step, and a "
                          f"Manager runs one step at a time: a fragment must be applied before the next is sent, so "
@@ -512,79 +548,5 @@ def _check_combination(fragments: int, delay: int, manager, model_or_params, cod
                          "steps; name a codec (e.g. 'int4')")
 
 
-def _own_group(group):
-    """A new process group of ``group``'s ranks (None: the world), created by those ranks only."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks, use_local_synchronization=True)
-
-
-def _cloned(value):
-    """A copy of a (nested) state dict's tensors."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
-
-
-class _Schedule:
-    """A DiLoCo's fragment schedule as its quorum sees it (:func:`gradcompress.quorum.under`'s ``schedule``)."""
-
-    def __init__(self, opt: DiLoCo):
-        self.opt = opt
-
-    def position(self) -> int:
-        """The inner step of the send being exchanged: where the replica is in the fragment schedule."""
-        return self.opt.sent_at
-
-    def agree(self, position: int) -> None:
-        """The quorum's position for the send being exchanged (its first participating member's): the replica
-        counts from it once the exchange is applied (one that joined or missed a quorum, whose sends would not
-        pair with its peers', takes up their schedule; the exchange fails if they sent different fragments)."""
-        self.opt.agreed = position
-
-
-def _managed(manager, process_group, topology, schedule):
-    """The Compressor class for DiLoCo under torchft's ``manager`` (its outer exchange on the live quorum)."""
-
-    if process_group is not None or topology not in (None, "auto", "flat"):
-        raise ValueError("DiLoCo: under torchft (manager=...) the outer exchange runs between the replicas of the "
-                         "quorum: process_group and a hierarchical topology do not apply")
-
-    phases = itertools.count()  # fragment f's Compressor is built f-th: its exchanges are phase f
-
-    def build(codec, *, process_group=None, topology=None, **options):
-        coordinator = under(manager, phase=next(phases), schedule=schedule)
-        return Compressor(codec, topology="flat", coordinator=coordinator, **options)
-
-    return build
-
-
-def _sparseloco_compressor(codec, outer_optimizer, error_feedback, topology, process_group, seed,
-                           build=Compressor) -> Compressor:
-    """SparseLoCo's outer exchange: a lossy codec with error feedback on, every tensor compressed, flat."""
-    if outer_optimizer is not None:
-        raise ValueError("DiLoCo: outer='sparseloco' steps the anchor by plain SGD (outer_lr); outer_optimizer "
-                         "applies to outer='nesterov' only")
-    if error_feedback is False:
-        raise ValueError("DiLoCo: outer='sparseloco' is error feedback (its only outer memory); "
-                         "error_feedback=False does not apply")
-    if topology not in (None, "auto", "flat"):
-        raise ValueError(f"DiLoCo: outer='sparseloco' runs on the flat topology (its residuals are whole tensors), "
-                         f"got topology={topology!r}; a model wrapped in DDP on its node's group is not supported")
-    spec = SPARSELOCO_CODEC if codec is None else codec
-    name, options = split_compressor_options(spec if isinstance(spec, (str, dict)) else spec.spec)
-    if make(name).exact:
-        raise ValueError(f"DiLoCo: outer='sparseloco' compresses the outer gradient; codec {make(name).spec!r} is "
-                         f"exact (leave codec unset for SparseLoCo's {SPARSELOCO_CODEC!r})")
-    if options.get("error_feedback", True) is not True:
-        raise ValueError("DiLoCo: outer='sparseloco' is error feedback (its only outer memory); the codec's "
-                         f"error_feedback={options['error_feedback']!r} does not apply")
-    options.setdefault("min_numel", 0)
-    options["error_feedback"] = True
-    return build(name, process_group=process_group, seed=seed, topology="flat", **options)
-
-
-__all__ = ["DiLoCo", "OUTERS", "SPARSELOCO_CODEC", "SPARSELOCO_ERROR_DECAY", "SPARSELOCO_OUTER_LR", "check_outer"]
+__all__ = ["DiLoCo", "NOT_INITIALISED", "OUTERS", "SPARSELOCO_CODEC", "SPARSELOCO_ERROR_DECAY", "SPARSELOCO_OUTER_LR",
+           "check_outer"]

@@ -22,15 +22,20 @@ against 73 ms per step for the LM task's 8 hidden matrices); ``ns_dtype`` choose
 What it is to the rest of PyTorch: one ``torch.optim.Optimizer`` whose ``param_groups`` are the Muon groups then
 the AdamW groups (each group's ``"optimizer"`` says which): LR schedulers scale both, ``state_dict`` /
 ``load_state_dict`` save and restore both, ``zero_grad`` clears both. It communicates nothing itself: use it under
-DDP, a compressed hook or as :class:`~gradcompress.optim.DiLoCo`'s inner optimizer.
+DDP, a compressed hook or as :class:`~gradcompress.optim.DiLoCo`'s inner optimizer. On FSDP2 shards (DTensor
+parameters) the Newton–Schulz iteration runs on the whole matrix: each rank all-gathers it over its mesh
+(``full_tensor()``, per Muon matrix and step) and keeps its own shard of the result, bit for bit the unsharded
+update.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 #: Muon's update scaled to AdamW's RMS (Moonshot): one learning rate for both parts
 ADJUST_LR = "match_rms_adamw"
@@ -40,7 +45,7 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_LR = 1e-3
 
 
-def split_parameters(model: nn.Module, head=None) -> tuple[list[str], list[str]]:
+def split_parameters(model: nn.Module, head: str | Iterable[str] | None = None) -> tuple[list[str], list[str]]:
     """(names of Muon's parameters, names of AdamW's), in ``model.named_parameters()`` order. ``head``: the name
     of the output head module, or several names (default: the last ``nn.Linear``)."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -51,15 +56,19 @@ def split_parameters(model: nn.Module, head=None) -> tuple[list[str], list[str]]
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     hidden = {id(m.weight) for name, m in linears
               if name not in heads and m.weight.dim() == 2 and id(m.weight) not in embedded}
-    muon_names, adamw_names = [], []
+    muon_names: list[str] = []
+    adamw_names: list[str] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (muon_names if id(p) in hidden else adamw_names).append(name)
     return muon_names, adamw_names
 
 
-def orthogonalise(update: torch.Tensor, coefficients: tuple, steps: int, eps: float, dtype) -> torch.Tensor:
+def orthogonalise(update: torch.Tensor, coefficients: tuple, steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
     """torch's quintic Newton–Schulz iteration (``torch.optim.Muon``'s, operation for operation) in ``dtype``."""
+    if isinstance(update, DTensor):  # a shard (FSDP2): the iteration needs the whole matrix
+        return _orthogonalise_sharded(update, coefficients, steps, eps, dtype)
     a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
@@ -70,6 +79,15 @@ def orthogonalise(update: torch.Tensor, coefficients: tuple, steps: int, eps: fl
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def _orthogonalise_sharded(update: DTensor, coefficients: tuple, steps: int, eps: float, dtype) -> DTensor:
+    """A sharded (DTensor, FSDP2) update orthogonalised whole: every rank of its mesh all-gathers the matrix
+    (``full_tensor()``, sent over the shard group: the matrix, per Muon parameter and step), runs the iteration on
+    it and keeps its own shard (cut locally, nothing more sent). Bit for bit the unsharded model's update; each rank
+    repeats the whole iteration (the compute of one unsharded Muon step per rank)."""
+    whole = orthogonalise(update.full_tensor(), coefficients, steps, eps, dtype)
+    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 
 
 class _Muon(torch.optim.Muon):
@@ -108,12 +126,36 @@ def _rms_ratio(adjust_lr_fn: str | None, shape) -> float:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on the hidden 2-D weights and AdamW on the rest as one optimizer (see the module docstring; build
-    it with :func:`muon`). ``param_groups``: Muon's then AdamW's, the same dicts the two parts step with."""
+    """Muon on the hidden 2-D weights and AdamW on the rest as one optimizer (build it with :func:`muon`).
+
+    It communicates nothing itself (use it under DDP, a compressed hook, or as DiLoCo's inner optimizer: MuLoCo).
+    Muon: `Jordan et al., 2024 <https://kellerjordan.github.io/posts/muon/>`_; the AdamW-matched update scale and
+    weight decay: `Liu et al., 2025 (Moonlight) <https://arxiv.org/abs/2502.16982>`_.
+
+    Args:
+        muon_params: the parameters Muon steps (2-D weights; torch's ``Muon`` refuses others).
+        adamw_params: the parameters AdamW steps.
+        lr, adamw_lr, weight_decay, adamw_weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, betas, eps,
+            ns_dtype: as in :func:`muon` (here all given, no defaults).
+
+    Raises:
+        ValueError: both lists empty (no trainable parameter), or an option torch's ``Muon``/``AdamW`` refuses.
+
+    Example::
+
+        >>> import torch
+        >>> from gradcompress.optim import Muon
+        >>> hidden, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+        >>> opt = Muon([hidden.weight], [hidden.bias, *head.parameters()], lr=1e-3, adamw_lr=1e-3,
+        ...            weight_decay=0.1, adamw_weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
+        ...            adjust_lr_fn="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8)
+        >>> [g["optimizer"] for g in opt.param_groups]     # param_groups: Muon's, then AdamW's
+        ['muon', 'adamw']
+    """
 
     def __init__(self, muon_params: list, adamw_params: list, *, lr: float, adamw_lr: float, weight_decay: float,
                  adamw_weight_decay: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn: str | None,
-                 betas: tuple, eps: float, ns_dtype=None):
+                 betas: tuple, eps: float, ns_dtype: torch.dtype | None = None) -> None:
         groups = []
         if muon_params:
             groups.append({"params": muon_params, "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
@@ -149,8 +191,9 @@ class Muon(torch.optim.Optimizer):
         if "param_groups" in state:
             self._link()
 
+    # ignore[override] below: torch.optim.Optimizer.step is overloaded (None -> None, a closure -> float)
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step of both parts (``closure`` is evaluated once, with gradients enabled)."""
         loss = None
         if closure is not None:
@@ -165,14 +208,43 @@ class Muon(torch.optim.Optimizer):
 def muon(model: nn.Module, lr: float | None = None, adamw_lr: float | None = None, *,
          weight_decay: float = WEIGHT_DECAY, adamw_weight_decay: float | None = None, momentum: float = MOMENTUM,
          nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = ADJUST_LR,
-         betas: tuple = ADAMW_BETAS, eps: float = 1e-8, head=None, ns_dtype=None) -> Muon:
-    """One optimizer: Muon on ``model``'s hidden 2-D weights, AdamW on the rest (see the module docstring).
+         betas: tuple = ADAMW_BETAS, eps: float = 1e-8, head: str | Iterable[str] | None = None,
+         ns_dtype: torch.dtype | None = None) -> Muon:
+    """One optimizer: Muon on ``model``'s hidden 2-D weights, AdamW on the rest (module docstring: which is which).
 
-    ``lr``: Muon's learning rate (default: ``adamw_lr``, right with ``adjust_lr_fn="match_rms_adamw"``; with
-    ``adjust_lr_fn="original"`` (Jordan's scaling) use Muon's own, e.g. 0.02); ``adamw_lr``: AdamW's (default 1e-3);
-    ``weight_decay``: both parts' decoupled weight decay unless ``adamw_weight_decay`` is given; ``head``: the name
-    of the output layer (or several) that stays with AdamW (default: the last ``nn.Linear``); ``ns_dtype``: the
-    Newton–Schulz iterations' dtype (None: bfloat16 on CUDA, float32 elsewhere)."""
+    Sends nothing (see :class:`Muon`). Muon: `Jordan et al., 2024 <https://kellerjordan.github.io/posts/muon/>`_;
+    defaults: Moonlight's recipe, `Liu et al., 2025 <https://arxiv.org/abs/2502.16982>`_.
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters it steps.
+        lr: Muon's learning rate, >= 0 (default None: ``adamw_lr``, right with ``"match_rms_adamw"``; with
+            ``adjust_lr_fn="original"``, Jordan's scaling, use Muon's own, e.g. 0.02).
+        adamw_lr: AdamW's learning rate, >= 0 (default None: 1e-3).
+        weight_decay: decoupled weight decay of both parts, >= 0 (default 0.1).
+        adamw_weight_decay: AdamW's own weight decay (default None: ``weight_decay``).
+        momentum, nesterov, ns_steps: Muon's momentum (0.95), Nesterov (True), Newton–Schulz steps (5).
+        adjust_lr_fn: ``"match_rms_adamw"`` (default: the update at AdamW's RMS), ``"original"`` or None.
+        betas, eps: AdamW's (default (0.9, 0.95) and 1e-8).
+        head: the name of the output module that stays with AdamW, or several (default: the last ``nn.Linear``).
+        ns_dtype: the Newton–Schulz dtype: None (bfloat16 on CUDA, float32 elsewhere) or a floating dtype.
+
+    Returns:
+        A :class:`Muon` (one ``torch.optim.Optimizer``: LR schedulers, ``state_dict`` and ``zero_grad`` see both).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a negative learning rate or weight decay, a bad ``ns_dtype``, a ``head`` that names no module.
+
+    Example::
+
+        >>> import torch
+        >>> from gradcompress.optim import muon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        >>> opt = muon(model, adamw_lr=1e-3)
+        >>> model(torch.randn(4, 8)).sum().backward(); opt.step()
+        >>> [len(g["params"]) for g in opt.param_groups]   # Muon: the hidden weight; AdamW: the biases and head
+        [1, 3]
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"muon: expects the model (an nn.Module), got {type(model).__name__}: it sorts the "
                         "parameters by the layer they belong to")

@@ -81,19 +81,15 @@ wait; the price is the drift of k local Adam steps between syncs (k 2 to 8 on th
 The exchange is a :class:`gradcompress.Compressor` step (:mod:`gradcompress.step`) with
 the ``sign`` codec, worker and server error feedback and ``min_numel=0``; the residuals
 live in this optimizer's state (``worker_error``, ``server_error``), their only owner: the
-Compressor's state slots are views of it (:class:`_ParamState`), so checkpoints hold them and
+Compressor's state slots are views of it (:class:`~.adam_slots.ParamState`), so checkpoints hold them and
 a non-finite step commits nothing.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import time
 import warnings
-from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
 from itertools import chain
-from typing import Callable
 
 import torch
 
@@ -103,7 +99,16 @@ from ..compressor import Compressor
 from ..exchanges.hierarchical import piece_key, piece_numel
 from ..exchanges.layout import chunk_numel
 from ..spec import make
-from .exchanging import local_collectives, params_text, refuse_manager
+from .adam_checks import check_hyperparameters, check_schedule, momentum_codec
+from .adam_slots import ParamState
+from .exchanging import ExchangingOptimizer, refuse_manager
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.optim.optimizer import ParamsT
+    from torchft.manager import Manager
+
+    from ..config import Spec, TopologyOption
 
 #: the momentum codec: one sign bit per element and one float32 scale (mean |x|) per 512 elements
 CODEC_SPEC = "sign:bucket=512"
@@ -117,40 +122,6 @@ STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "worker_error", "server_error")
 LOCAL_STATE_KEYS = ("anchor", "local_update", "local_step_sizes")
 #: the exchange's per-parameter state (Compressor slot -> our state key), seen by the Compressor through views
 SLOT_STATE = {"residual": "worker_error", "server_residual": "server_error", "q": "lowrank_q", "p": "lowrank_p"}
-
-
-# ------------------------------------------------------------------------ validation
-def _real(name: str, value, who: str = "OneBitAdam") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{who}: {name} must be a number, got {value!r}")
-    return float(value)
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who: str = "OneBitAdam") -> None:
-    lr_f = _real("lr", lr, who)
-    if not (math.isfinite(lr_f) and lr_f >= 0):
-        raise ValueError(f"{who}: lr must be a finite number >= 0, got {lr!r}")
-    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{who}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        b_f = _real(f"betas[{i}]", b, who)
-        if not 0.0 <= b_f < 1.0:
-            raise ValueError(f"{who}: betas[{i}] must be in [0, 1), got {b!r}")
-    eps_f = _real("eps", eps, who)
-    if not (math.isfinite(eps_f) and eps_f > 0):
-        raise ValueError(f"{who}: eps must be a finite number > 0, got {eps!r}")
-    wd = _real("weight_decay", weight_decay, who)
-    if not (math.isfinite(wd) and wd >= 0):
-        raise ValueError(f"{who}: weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
-        raise ValueError(f"{who}: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-
-
-def _check_schedule(sync_every, sync_ramp_steps, who: str) -> tuple[int, int]:
-    for name, value, lo in (("sync_every", sync_every, 1), ("sync_ramp_steps", sync_ramp_steps, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-            raise ValueError(f"{who}: {name} must be an integer >= {lo}, got {value!r}")
-    return int(sync_every), int(sync_ramp_steps)
 
 
 def sync_due(compressed_step: int, sync_every: int, sync_ramp_steps: int = 0) -> bool:
@@ -167,20 +138,8 @@ def sync_due(compressed_step: int, sync_every: int, sync_ramp_steps: int = 0) ->
     return compressed_step % interval == 0
 
 
-def _check_codec(codec, who: str):
-    """The momentum codec; refuses codecs that keep their own momentum (dgc) and unknown specs."""
-    try:
-        c = make(codec)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{who}: codec: {err}") from None
-    if c.carries_momentum:
-        raise ValueError(f"{who}: codec {c.spec!r} keeps its own momentum, but Adam's momentum is what is sent; "
-                         "use its plain sparsifier (topk) instead")
-    return c
-
-
 # ------------------------------------------------------------------------ the optimizer
-class CompressedAdam(torch.optim.Optimizer):
+class CompressedAdam(ExchangingOptimizer):
     """Adam whose momentum is averaged across ranks through a codec after a dense warm-up.
 
     ``CompressedAdam(params, codec="sign:bucket=512")`` is 1-bit Adam (:class:`OneBitAdam`);
@@ -257,15 +216,17 @@ class CompressedAdam(torch.optim.Optimizer):
     zero with a warning.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, codec=CODEC_SPEC,
-                 topology="auto", sync_every: int = 1, sync_ramp_steps: int = 0, manager=None):
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int = 100,
+                 process_group: dist.ProcessGroup | None = None, codec: Spec = CODEC_SPEC,
+                 topology: TopologyOption = "auto", sync_every: int = 1, sync_ramp_steps: int = 0,
+                 manager: Manager | None = None) -> None:
         who = type(self).__name__
         refuse_manager(who, manager)
         topology_mod.check(topology, "none")
-        _check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
-        self.codec = _check_codec(codec, who)
-        self.sync_every, self.sync_ramp_steps = _check_schedule(sync_every, sync_ramp_steps, who)
+        check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
+        self.codec = momentum_codec(codec, who)
+        self.sync_every, self.sync_ramp_steps = check_schedule(sync_every, sync_ramp_steps, who)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=int(warmup_steps))
         super().__init__(params, defaults)
         self.process_group, self.topology = process_group, topology
@@ -293,10 +254,10 @@ class CompressedAdam(torch.optim.Optimizer):
             self._init_runtime()
 
     def add_param_group(self, param_group: dict) -> None:
-        values = {k: param_group.get(k, self.defaults.get(k)) for k in
-                  ("lr", "betas", "eps", "weight_decay", "warmup_steps")}
+        values: dict[str, Any] = {k: param_group.get(k, self.defaults.get(k)) for k in
+                                  ("lr", "betas", "eps", "weight_decay", "warmup_steps")}
         who = type(self).__name__
-        _check_hyperparameters(**values, who=who)
+        check_hyperparameters(**values, who=who)
         if "process_group" in param_group:
             raise ValueError(f"{who}: process_group is an argument of the optimizer, not of a parameter group")
         super().add_param_group(param_group)
@@ -323,35 +284,9 @@ class CompressedAdam(torch.optim.Optimizer):
         ``inter_node_bytes`` / ``intra_node_bytes`` / ``topology``: the Compressor's (:meth:`Compressor.stats`);
         ``local_skipped``: local steps (``sync_every > 1``) of a parameter whose local momentum was non-finite.
         """
-        exchanged = self._compressor.stats() if self._compressor else {
-            "wire_bytes": 0, "comm_seconds": 0.0, "inter_node_bytes": 0, "intra_node_bytes": 0, "topology": None}
-        wire, comm_s = exchanged["wire_bytes"], exchanged["comm_seconds"]
-        raw = self._counters["raw_bytes"]
-        return {
-            "steps": self._counters["steps"],
-            "compressed_steps": self._counters["compressed_steps"],
-            "skipped": self._counters["skipped"],
-            "raw_bytes": raw,
-            "wire_bytes": wire,
-            "ratio": raw / wire if wire else float("inf") if raw else 1.0,
-            "comm_seconds": comm_s,
-            "codec_seconds": max(0.0, self._counters["seconds"] - comm_s),
-            "inter_node_bytes": exchanged["inter_node_bytes"],
-            "intra_node_bytes": exchanged["intra_node_bytes"],
-            "topology": exchanged["topology"],
-            "local_skipped": self._counters["local_skipped"],
-        }
-
-    def bytes_sent(self) -> int:
-        """``stats()["wire_bytes"]``: bytes this rank has transmitted so far."""
-        return self._compressor.stats()["wire_bytes"] if self._compressor else 0
-
-    def state_dict(self) -> dict:
-        """``torch.optim.Optimizer``'s state dict, with copies of the state tensors (not live references)."""
-        sd = super().state_dict()
-        sd["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                       for k, s in sd["state"].items()}
-        return sd
+        counters = self._counters
+        return {"steps": counters["steps"], "compressed_steps": counters["compressed_steps"],
+                "skipped": counters["skipped"], **self._exchange_stats(), "local_skipped": counters["local_skipped"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict; the state tensors are kept in float32 (torch would cast them to the param dtype)."""
@@ -374,24 +309,12 @@ class CompressedAdam(torch.optim.Optimizer):
         device = value.device if value.dim() == 0 and value.device.type == "cpu" else p.device
         return value.detach().to(device=device, dtype=dtype).clone()
 
-    # ------------------------------------------------------------------ the step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One optimizer step on every rank of the group (a collective call: every rank must make it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        started = time.perf_counter()
-        with self._begin() as step:
-            loss = self._exchange_and_update(step, loss)
-        self._counters["seconds"] += time.perf_counter() - started
-        return loss
-
+    # ------------------------------------------------------------------ the step (ExchangingOptimizer.step)
     def _split(self, world: int):
         """(dense, compressed): the parameters with a gradient still in their warm-up, and those past it, each as
         (key, group, parameter, state)."""
-        dense, comp = [], []
+        dense: list[tuple] = []
+        comp: list[tuple] = []
         key = -1
         self._by_key = [p for group in self.param_groups for p in group["params"]]
         for group in self.param_groups:
@@ -433,7 +356,7 @@ class CompressedAdam(torch.optim.Optimizer):
             offset += n
         for (key, group, p, state), momentum in zip(sync, momenta):
             self._compressed_update(key, group, p, state, momentum)
-        for (key, group, p, state), momentum in zip(local, self._momenta(local)):
+        for (_key, group, p, state), momentum in zip(local, self._momenta(local)):
             self._local_update(group, p, state, momentum)
         return loss
 
@@ -441,7 +364,8 @@ class CompressedAdam(torch.optim.Optimizer):
         """(sync, local): the parameters past their warm-up whose step syncs (:func:`sync_due`), and the others."""
         if self.sync_every == 1:
             return comp, []
-        sync, local = [], []
+        sync: list[tuple] = []
+        local: list[tuple] = []
         for entry in comp:
             _, group, _, state = entry
             c = int(state["step"].item()) - group["warmup_steps"] + 1
@@ -451,7 +375,7 @@ class CompressedAdam(torch.optim.Optimizer):
     def _momenta(self, comp, outgoing: bool = False) -> list[torch.Tensor]:
         """The local momenta (``outgoing``: what a sync sends, ``m_T + U / s_T`` after local steps)."""
         momenta = []
-        for key, group, p, state in comp:
+        for _key, group, p, state in comp:
             grad = self._local_grad(group, p, p.grad.detach().float())
             m = state["exp_avg"].lerp(grad, 1 - group["betas"][0])
             if outgoing and "local_update" in state:
@@ -509,29 +433,20 @@ class CompressedAdam(torch.optim.Optimizer):
         self._update(group, p, state, 1 - beta1 ** state["step"].item(), 1 - beta2**warm if warm > 0 else 1.0)
 
     # ------------------------------------------------------------------ internals
-    def _begin(self):
-        """Open a step of the Compressor that carries the exchange (made at the first step)."""
-        if self._compressor is None:
-            # without torch.distributed: the documented single process (the same code, nothing sent)
-            self._local = local_collectives(type(self).__name__, self.process_group)
-            feedback = self.codec.wants_error_feedback
-            self._compressor = Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
-                                          server_error_feedback=feedback, min_numel=0, topology=self.topology,
-                                          slots={slot: _ParamState(self, name) for slot, name in SLOT_STATE.items()})
-        step = self._compressor.begin_step(self._local)
-        if not self._checked:
-            step.comm.check_same(self._config(), f"{type(self).__name__} (parameters or hyperparameters)")
-            self._checked = True
-        return step
+    def _make_compressor(self) -> Compressor:
+        """The sign (or given) codec's Compressor, its residuals views of this optimizer's state
+        (:class:`~.adam_slots.ParamState`)."""
+        feedback = self.codec.wants_error_feedback
+        return Compressor(self.codec, process_group=self.process_group, error_feedback=feedback,
+                          server_error_feedback=feedback, min_numel=0, topology=self.topology,
+                          slots={slot: ParamState(self, name) for slot, name in SLOT_STATE.items()})
 
-    def _config(self) -> str:
-        groups = []
-        for g in self.param_groups:
-            shapes = params_text(g["params"])
-            groups.append(f"lr={g['lr']} betas={tuple(g['betas'])} eps={g['eps']} weight_decay={g['weight_decay']} "
-                          f"warmup_steps={g['warmup_steps']} params=[{shapes}]")
-        schedule = "" if self.sync_every == 1 else f"sync_every={self.sync_every} ramp={self.sync_ramp_steps}; "
-        return f"{self.codec.spec}; {schedule}" + "; ".join(groups)
+    def _group_text(self, group: dict) -> str:
+        return (f"lr={group['lr']} betas={tuple(group['betas'])} eps={group['eps']} "
+                f"weight_decay={group['weight_decay']} warmup_steps={group['warmup_steps']}")
+
+    def _schedule_text(self) -> str:
+        return "" if self.sync_every == 1 else f"sync_every={self.sync_every} ramp={self.sync_ramp_steps}; "
 
     def _pieces(self):
         """(G, this rank's local rank, N) when the exchange cuts parameters into 1/G pieces (hierarchical, not
@@ -633,63 +548,16 @@ def _floor_frozen_variance(v: torch.Tensor) -> None:
         v.copy_(torch.where(positive, v.clamp(min=float(floor)), v))
 
 
-def _position(key) -> int | None:
-    """The parameter position of a Compressor state key: an int, or a piece key ``"<position>:<j>/<G>"``."""
-    if isinstance(key, bool):
-        return None
-    if isinstance(key, int):
-        return key
-    head, sep, tail = str(key).partition(":")
-    return int(head) if sep and head.isdigit() and tail else None
-
-
-class _ParamState(MutableMapping):
-    """One state slot of the Compressor (worker or server residual, PowerSGD's factors) seen through the
-    optimizer's per-parameter state entry ``name``: key = the parameter's position among the optimizer's
-    parameters, or under a hierarchical topology this rank's piece of it (``"3:0/2"``: the entry then holds the
-    piece's residual). The optimizer's state is the only owner (checkpoints hold it); the step's commit writes
-    there."""
-
-    def __init__(self, optimizer: "CompressedAdam", name: str):
-        self.optimizer, self.name = optimizer, name
-
-    def _param(self, key):
-        params = self.optimizer._by_key
-        position = _position(key)
-        if position is None or not 0 <= position < len(params) or self.optimizer._slot_key(position) != key:
-            raise KeyError(key)
-        return params[position]
-
-    def __getitem__(self, key):
-        state = self.optimizer.state.get(self._param(key))
-        if not state or self.name not in state:
-            raise KeyError(key)
-        return state[self.name]
-
-    def __setitem__(self, key, value) -> None:
-        self.optimizer.state[self._param(key)][self.name] = value
-
-    def __delitem__(self, key) -> None:
-        del self.optimizer.state[self._param(key)][self.name]
-
-    def __iter__(self):
-        for key, p in enumerate(self.optimizer._by_key):
-            if self.name in self.optimizer.state.get(p, {}):
-                yield self.optimizer._slot_key(key)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 class OneBitAdam(CompressedAdam):
     """1-bit Adam: :class:`CompressedAdam` with the ``sign`` codec (one bit per element, one scale per 512).
 
     Same arguments as :class:`CompressedAdam` but ``codec``.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, process_group=None, topology="auto",
-                 sync_every: int = 1, sync_ramp_steps: int = 0, manager=None):
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int = 100,
+                 process_group: dist.ProcessGroup | None = None, topology: TopologyOption = "auto",
+                 sync_every: int = 1, sync_ramp_steps: int = 0, manager: Manager | None = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
                          process_group=process_group, codec=CODEC_SPEC, topology=topology, sync_every=sync_every,
                          sync_ramp_steps=sync_ramp_steps, manager=manager)

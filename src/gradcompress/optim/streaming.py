@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import numbers
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 
 def fragments_of(layers: list[list[int]], fragments: int) -> list[list[int]]:
@@ -44,9 +45,18 @@ def due(step: int, fragment: int, fragments: int, sync_every: int) -> bool:
     return step >= sync_every + at and (step - at) % sync_every == 0
 
 
-def check(fragments, delay, mix, sync_every: int, layers: int) -> tuple[int, int, float]:
-    """The streaming options, validated: ``ValueError`` naming the option and what is allowed."""
-    if isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral) or not 1 <= fragments <= layers:
+def check(fragments: int, delay: int, mix: float | None, sync_every: int, layers: int,
+          model: bool = True) -> tuple[int, int, float]:
+    """The streaming options, validated: ``ValueError`` naming the option and what is allowed. ``layers``: how many
+    the model has (``model``; else the parameters were given as a list, each its own layer)."""
+    integral = not isinstance(fragments, bool) and isinstance(fragments, numbers.Integral)
+    if integral and fragments > layers:
+        what = (f"the model has {layers} layer{'s' * (layers != 1)} (modules that own parameters)" if model else
+                f"the {layers} parameter{'s' * (layers != 1)} given as a list are {layers} layers")
+        raise ValueError(f"DiLoCo: fragments={fragments} is more than the model's layers: {what}, and each fragment "
+                         f"is at least one layer; pass fragments={layers} or fewer (1: the whole model at once, no "
+                         "streaming)")
+    if not integral or not 1 <= fragments:
         raise ValueError(f"DiLoCo: fragments must be an integer from 1 to the number of layers ({layers}: the "
                          f"modules that own parameters), got {fragments!r}")
     if isinstance(delay, bool) or not isinstance(delay, numbers.Integral) or not 0 <= delay < sync_every:
@@ -59,14 +69,72 @@ def check(fragments, delay, mix, sync_every: int, layers: int) -> tuple[int, int
     return int(fragments), int(delay), float(mix)
 
 
+class Schedule:
+    """When to sync which fragment (DiLoCo's ``sync_every``, ``fragments``, ``delay`` and ``mix``, checked by
+    :func:`check`): the parameters' ``parts`` (positions by fragment, from ``layers``), the inner ``steps`` counted,
+    which fragments are sent or applied after a step. Also the schedule as a torchft quorum sees it
+    (:func:`gradcompress.quorum.under`'s ``schedule``: :meth:`position` and :meth:`agree`)."""
+
+    def __init__(self, sync_every: int, fragments: int, delay: int, mix: float | None, layers: list[list[int]],
+                 model: bool = True) -> None:
+        self.sync_every = int(sync_every)
+        self.fragments, self.delay, self.mix = check(fragments, delay, mix, self.sync_every, len(layers), model)
+        self.parts = fragments_of(layers, self.fragments)
+        self.steps = 0  # inner steps
+        self.sent_at = 0  # the inner step of the latest send (its position in the schedule)
+        self.agreed: int | None = None  # under torchft: the quorum's position for that send (agree)
+
+    def tick(self) -> int:
+        """One inner step taken: the count of them."""
+        self.steps += 1
+        return self.steps
+
+    def resume(self, steps: int) -> None:
+        """Count from ``steps`` inner steps (a checkpoint's)."""
+        self.steps = steps
+
+    def sends(self, step: int) -> list[int]:
+        """The fragments sent after inner step ``step``."""
+        return [f for f in range(self.fragments) if due(step, f, self.fragments, self.sync_every)]
+
+    def applies(self, flight: dict, step: int) -> list[int]:
+        """The fragments of ``flight`` (fragment -> :class:`InFlight`) whose update is applied after ``step``."""
+        return [f for f in range(self.fragments) if f in flight and flight[f].apply_at <= step]
+
+    def sent(self, step: int) -> int:
+        """A send after inner step ``step``: the step after which it is applied."""
+        self.sent_at = step
+        return step + self.delay
+
+    def position(self) -> int:
+        """The inner step of the send being exchanged: where the replica is in the fragment schedule."""
+        return self.sent_at
+
+    def agree(self, position: int) -> None:
+        """The quorum's position for the send being exchanged (its first participating member's): the replica
+        counts from it once the exchange is applied (one that joined or missed a quorum, whose sends would not
+        pair with its peers', takes up their schedule; the exchange fails if they sent different fragments)."""
+        self.agreed = position
+
+    def applied(self, apply_at: int) -> None:
+        """A send applied (the one due after ``apply_at``): count as the quorum did, if it agreed a position (its
+        send step, plus the steps since this replica's send)."""
+        agreed, self.agreed = self.agreed, None
+        if agreed is not None:
+            self.steps = agreed + self.steps - (apply_at - self.delay)
+
+
 class InFlight(NamedTuple):
     """A fragment sent and not yet applied: its outer gradients (averaged in place by the exchange), the inner
-    step after which it is applied, and the exchange's result (a future of "every rank was finite")."""
+    step after which it is applied, the exchange's result (a future of "every rank was finite"), and ``lost``:
+    under torchft, an exchange that does not apply although every rank was finite (a peer died in it, the quorum
+    changed; known once decided), whose fragment keeps its local parameters."""
 
     fragment: int
     grads: list
     apply_at: int
     result: concurrent.futures.Future
+    lost: bool = False
 
 
 class Courier:
@@ -98,4 +166,4 @@ def done(value: bool) -> concurrent.futures.Future:
     return f
 
 
-__all__ = ["Courier", "InFlight", "check", "done", "due", "fragments_of", "layers_of", "offset"]
+__all__ = ["Courier", "InFlight", "Schedule", "check", "done", "due", "fragments_of", "layers_of", "offset"]

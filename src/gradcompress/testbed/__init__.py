@@ -9,7 +9,9 @@
   interfaces' bytes counted, the ranks' records merged (``bench``); its FSDP-on-nodes schemes in
   :mod:`.netbench_fsdp`;
 * :mod:`.models` — the benchmark models (netbench's and ``plan --model``'s), :mod:`.lm` the byte-level language
-  model (also the ``--task lm`` of ``demo`` and ``train``).
+  model (also the ``--task lm`` of ``demo`` and ``train``);
+* :mod:`.host_syncs` — ``HostSyncs``: the host synchronisations of a step counted (``.item()``, ``tolist()``,
+  ``nonzero``...: the ops after which a GPU step's host waits), on any device (``bench --in-step`` reports them).
 
 Library level: nothing here imports :mod:`gradcompress.cli` (the command line is a thin adapter over this). The
 package imports none of its modules by itself: ``from gradcompress.testbed import launch``.

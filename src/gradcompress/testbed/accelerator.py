@@ -11,6 +11,7 @@ the real order, and the CPU is free while the "device" computes. What is sent, a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,7 @@ class Emulated(nn.Module):
         self.grads = [g.detach().clone() for g in grads]
         self.compute_s = compute_s
 
-    def forward(self, x):  # noqa: ARG002 - the input's compute is emulated
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x unused: the input's compute is emulated
         time.sleep(FORWARD_SHARE * self.compute_s)
         params = list(self.inner.parameters())
         total = sum(p.numel() for p in params) or 1
@@ -54,7 +55,8 @@ class Emulated(nn.Module):
         return loss
 
 
-def real_grads(model: nn.Module, loss_fn, x, y) -> list:
+def real_grads(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+               y: torch.Tensor) -> list:
     """The gradients of one real backward pass of ``model`` on ``(x, y)`` (``loss_fn(out, y)``), per parameter."""
     model.zero_grad(set_to_none=True)
     loss_fn(model(x), y).backward()

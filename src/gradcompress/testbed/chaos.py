@@ -34,10 +34,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from . import faults
+
+if TYPE_CHECKING:
+    from ..compressor import Compressor
+    from ..quorum import Quorum
 
 SELF = [sys.executable, "-m", "gradcompress.testbed.chaos"]
 #: the exchange families (a codec each: dense, two-step, gathered, summed, low rank)
@@ -50,7 +56,7 @@ EVENTS = 12
 LOOKAHEAD = 2
 IFNAME = "gcveth"  # a testbed host's link (:mod:`.netns`)
 #: streaming DiLoCo in the scenarios (``mode="streaming"``): 2 fragments, applied one inner step after their send
-STREAMING = {"fragments": 2, "delay": 1}
+STREAMING: dict[str, Any] = {"fragments": 2, "delay": 1}
 #: seconds each replica sleeps per step: the digits MLP's steps take milliseconds, and replicas that spin on them
 #: starve the standbys' start of the 2 cores
 PACE = 0.02
@@ -67,10 +73,10 @@ class Tripwire:
     """Counts the events of the next exchange of a compressor under a quorum and fires at event ``event``:
     ``fire()`` kills or stops the process. Installed on the coordinator's collectives (test instrumentation)."""
 
-    def __init__(self, compressor, event: int, fire):
+    def __init__(self, compressor: Compressor, event: int, fire: Callable[[], object]):
         self.compressor, self.event, self.fire = compressor, event, fire
         self.armed, self.count = False, 0
-        comm = compressor.coordinator.comm
+        comm = cast("Quorum", compressor.coordinator).comm  # under torchft: the quorum
         issue, wait = comm._issue, comm.wait
 
         def counted_issue(start, outputs):
@@ -83,7 +89,7 @@ class Tripwire:
             wait(works)
             self._tick()
 
-        comm._issue, comm.wait = counted_issue, counted_wait
+        comm._issue, comm.wait = counted_issue, counted_wait  # type: ignore[method-assign]  # instrumentation: counted
 
     def arm(self) -> None:
         """Count the events of the next step's exchange (the quorum's membership gather, before the step opens,
@@ -129,7 +135,8 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
     train, comp, record = _loop(cfg, manager, net)
     if cfg.get("standby") in (None, 0):  # the first three: one first quorum (a replica that came first would
         _ready(where, cfg["replica"])  # otherwise commit a step 0 alone, the others another step 0 without it)
-    sig = {"stop": signal.SIGSTOP, "cut": None}.get(cfg.get("kind"), signal.SIGKILL)
+    signals: dict[str | None, signal.Signals | None] = {"stop": signal.SIGSTOP, "cut": None}
+    sig = signals.get(cfg.get("kind"), signal.SIGKILL)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the scenario's end (:func:`_drain`), not a fault
     wire = Tripwire(comp, cfg["event"], lambda: _fire(where, sig)) if cfg.get("after") is not None else None
     log = open(cfg["log"], "a")
@@ -138,8 +145,9 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
     while not os.path.exists(os.path.join(where, "stop")):
         time.sleep(PACE)  # leave the standbys CPU to start (the machine has 2 cores)
         idx = torch.randint(0, len(x), (32,), generator=gen)
-        exchanged = train(x[idx], y[idx], lambda: wire.arm() if wire is not None and healed_at is not None
-                          and exchanges == healed_at + cfg["after"] else None, wire)
+        # train() calls arm() before it returns, in this iteration: no late binding of healed_at, exchanges
+        exchanged = train(x[idx], y[idx], lambda: wire.arm() if wire is not None and healed_at is not None  # noqa: B023
+                          and exchanges == healed_at + cfg["after"] else None, wire)  # noqa: B023
         if not exchanged:
             continue
         exchanges += 1
@@ -193,7 +201,8 @@ def zygote(cfg: dict) -> None:
     on a loaded 2-core machine), then for each request ``spawn<n>.json`` forks a replica (its pid in ``pid<n>``, its
     exit status in ``exit<n>``: the code, or minus the signal) until the file ``stop-zygote``."""
     torch.set_num_threads(1)  # no OpenMP pool in this process: a forked child could not use its threads
-    prepared, where, pids = _prepare(), cfg["dir"], {}
+    prepared, where = _prepare(), cfg["dir"]
+    pids: dict[int, Any] = {}
     while True:
         for name in sorted(os.listdir(where)):
             if name.startswith("spawn") and name.endswith(".json") and name[5:-5] not in pids.values():
@@ -261,7 +270,7 @@ class Forked:
 
     def wait(self) -> int:
         faults.wait_for(os.path.join(self.where, f"exit{self.n}"), timeout=self.limit)
-        return self.poll()
+        return cast(int, self.poll())  # its exit file is there
 
 
 def _serve_lighthouse(cfg: dict) -> str:
@@ -269,7 +278,7 @@ def _serve_lighthouse(cfg: dict) -> str:
 
     lighthouse = Lighthouse(min_replicas=1, host=cfg["host"], heartbeat_timeout_ms=cfg["heartbeat_ms"],
                             join_timeout_ms=100)
-    _serve_lighthouse.kept = lighthouse  # lives as long as this process
+    _serve_lighthouse.kept = lighthouse  # type: ignore[attr-defined]  # a function attribute: lives as long as this process
     path = os.path.join(cfg["dir"], "lighthouse")
     with open(path + ".part", "w") as f:
         f.write(lighthouse.address)
@@ -306,7 +315,7 @@ def _loop(cfg: dict, manager, net):
     opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=3e-3), sync_every=h, codec=cfg["spec"],
                  manager=manager, **(STREAMING if cfg["mode"] == "streaming" else {}))
 
-    def train(x, y, arm, wire):
+    def train(x, y, arm, wire):  # type: ignore[no-redef]  # DiLoCo's (the DDP branch returned its own)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         t = opt.inner_steps + 1
@@ -366,7 +375,8 @@ def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str
             open(os.path.join(where, f"go{n}"), "w").close()
             if n < len(kills):
                 victim = standbys[n]
-                s.wait_until(lambda: victim.poll() is not None or _fired(where, victim), f"standby {n} to fire")
+                s.wait_until(lambda: victim.poll() is not None or _fired(where, victim),  # noqa: B023 - polled now
+                             f"standby {n} to fire")
                 stalls.append(_stall(s, where, victim, n))
                 if kind == "stop":  # hung with its sockets open until the survivors went on without it
                     victim.kill()
@@ -438,10 +448,11 @@ def run_partition(where: str, spec: str, cuts: list[tuple[int, int]], *, rate_bi
             if n == len(cuts):
                 break
             victim = victims[-1]
-            until(lambda: victim.poll() is not None or _fired(where, victim), f"victim {n} to cut its link")
+            until(lambda: victim.poll() is not None or _fired(where, victim),  # noqa: B023 - polled now
+                  f"victim {n} to cut its link")
             cut = float(open(os.path.join(where, f"fired{victim.pid}")).read())
             last = max((r["step"] for r in rows() if r.get("standby") == n and r["committed"]), default=-1)
-            until(lambda: any(r["replica"] < 2 and r["committed"] and r["step"] > last for r in rows()),
+            until(lambda: any(r["replica"] < 2 and r["committed"] and r["step"] > last for r in rows()),  # noqa: B023 - polled now
                   f"the survivors to go on after cut {n}")
             stalls.append(min(r["time"] for r in rows() if r["replica"] < 2 and r["committed"] and r["step"] > last)
                           - cut)
@@ -490,8 +501,7 @@ def _restore(bed, host: int, rate_bit: float) -> None:
 
     ns = bed.host_ns[host]
     subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", IFNAME, "ingress"], capture_output=True)
-    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", "handle", "1:", "tbf", "rate",
-                    f"{int(rate_bit)}bit", "burst", str(netns.tbf_burst_bytes(rate_bit)), "latency", "100ms"],
+    subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", "handle", "1:", *netns.tbf(rate_bit)],
                    check=True, capture_output=True)
 
 
@@ -543,7 +553,7 @@ def verdict(rows: list[dict], kills: int) -> dict:
     """What the log shows (see the module docstring): ``unequal`` (steps the survivors both committed with
     different parameters or shared state), ``failed_committed`` (rows that committed with an error),
     ``unhealed`` (standbys that never committed or differed from the survivors after healing), ``steps``."""
-    by_step: dict[int, dict] = {}
+    by_step: dict[int, list[dict]] = {}
     for r in rows:
         if r["committed"]:
             by_step.setdefault(r["step"], []).append(r)

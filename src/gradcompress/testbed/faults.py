@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -26,11 +28,18 @@ from ..integrations import torchft as gft
 from ..quorum import shared_state
 from . import launch
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+    from torchft.manager import Manager
+
+    from ..compressor import Compressor
+    from ..quorum import Quorum
+
 #: a replica's own script (``python -m gradcompress.testbed.faults``)
 SELF = [sys.executable, "-m", "gradcompress.testbed.faults"]
 
 
-def data():
+def data() -> tuple[torch.Tensor, torch.Tensor]:
     """The handwritten digits (scikit-learn), scaled to [0, 1]: (inputs, labels)."""
     from sklearn.datasets import load_digits
 
@@ -38,20 +47,23 @@ def data():
     return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
 
 
-def model(hidden: int = 32, seed: int = 0):
+def model(hidden: int = 32, seed: int = 0) -> torch.nn.Sequential:
     """The MLP every replica starts from (the same seed on every replica)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
-def digest(tensors) -> str:
+def digest(tensors: Iterable[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def make_manager(cfg, state_fns, group_rank=0, group_world=1, store_port=None):
+def make_manager(cfg: dict[str, Any],
+                 state_fns: tuple[Callable[[dict[str, Any]], object], Callable[[], dict[str, Any]]],
+                 group_rank: int = 0, group_world: int = 1, store_port: int | None = None
+                 ) -> tuple[Manager, TCPStore | None]:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
     from torch.distributed import TCPStore
@@ -92,7 +104,7 @@ def announce_rejoined(directory: str) -> None:
     open(os.path.join(directory, "rejoined"), "w").close()
 
 
-def rendezvous(cfg, announce: bool = True) -> None:
+def rendezvous(cfg: dict[str, Any], announce: bool = True) -> None:
     """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
     replica announces itself (its Manager heartbeats now) and goes straight to its first quorum."""
     if cfg.get("restarted"):
@@ -111,9 +123,9 @@ def die(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_inside_exchange(compressor, at_step: int, directory: str) -> None:
+def kill_inside_exchange(compressor: Compressor, at_step: int, directory: str) -> None:
     """SIGKILL this process inside the exchange of step ``at_step``, after its first collective round."""
-    quorum = compressor.coordinator
+    quorum = cast("Quorum", compressor.coordinator)  # under torchft: the quorum
     comm = quorum.comm
     wait = comm.wait
 
@@ -122,10 +134,10 @@ def kill_inside_exchange(compressor, at_step: int, directory: str) -> None:
         if compressor.current_step is not None and quorum.manager.current_step() == at_step:
             die(directory)
 
-    comm.wait = wait_then_die
+    comm.wait = wait_then_die  # type: ignore[method-assign]  # instrumentation: this round's wait, then die
 
 
-def replica_main(cfg):
+def replica_main(cfg: dict[str, Any]) -> None:
     """One replica (one process) training with gradcompress's torchft DDP; logs each step."""
     from torchft.optim import OptimizerWrapper
 
@@ -169,7 +181,7 @@ def replica_main(cfg):
         loss.backward()
         residuals = {k: float(v.abs().sum()) for k, v in comp.residual.items()}
         server = sum(float(v.abs().sum()) for v in comp.server_residual.values())  # after this step's begin
-        held = comp.coordinator.held
+        held = cast("Quorum", comp.coordinator).held  # under torchft: the quorum
         silent = held[-1].silent if held else None
         optimizer.step()  # should_commit, then the optimizer step if committed
         error = manager.errored()
@@ -186,8 +198,8 @@ def replica_main(cfg):
                               "shared": digest([t for s in ("q", "p", "momentum") for t in shared[s].values()]),
                               "state_step": comp.state.step, "after": after, "loss": full, "accuracy": accuracy,
                               "pid": os.getpid(), "time": time.time(),
-                              "stats_steps": comp.stats()["steps"], "world": comp.coordinator.comm.world,
-                              "rank": comp.coordinator.comm.rank, "wire": comp.stats()["wire_bytes"],
+                              "stats_steps": comp.stats()["steps"], "world": cast("Quorum", comp.coordinator).comm.world,
+                              "rank": cast("Quorum", comp.coordinator).comm.rank, "wire": comp.stats()["wire_bytes"],
                               "error": None if error is None else repr(error.original_exception)[:300],
                               "seconds": time.time() - began}) + "\n")
         log.flush()
@@ -199,8 +211,8 @@ class Scenario:
     """Replica processes around one lighthouse (torchft's, on 127.0.0.1) in folder ``where``; ``rows()`` reads
     their log. ``command``: how to start a replica (default: this module). ``close()`` kills what still runs."""
 
-    def __init__(self, where: str, min_replicas: int = 1, *, command=None, limit: float = 60.0,
-                 heartbeat_ms: int = 1000, join_ms: int = 200, lighthouse: str | None = None, **common):
+    def __init__(self, where: str, min_replicas: int = 1, *, command: list[str] | None = None, limit: float = 60.0,
+                 heartbeat_ms: int = 1000, join_ms: int = 200, lighthouse: str | None = None, **common: Any):
         os.makedirs(where, exist_ok=True)
         self.dir, self.log, self.limit = where, os.path.join(where, "log.jsonl"), limit
         open(self.log, "w").close()
@@ -212,10 +224,10 @@ class Scenario:
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.common = {"lighthouse": address, "log": self.log, "dir": where, **common}
         self.command = command or SELF
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[launch.Child | subprocess.Popen] = []
         self.start_time = time.time()
 
-    def start(self, replica: int, **cfg) -> subprocess.Popen:
+    def start(self, replica: int, **cfg: Any) -> launch.Child | subprocess.Popen:
         cfg = {**self.common, "replica": replica, **cfg}
         out = os.path.join(self.dir, f"out{replica}{cfg.get('group_rank', '')}.txt")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
@@ -228,7 +240,7 @@ class Scenario:
         with open(self.log) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def wait_until(self, condition, what: str) -> None:
+    def wait_until(self, condition: Callable[[], object], what: str) -> None:
         while not condition():
             if time.time() - self.start_time > self.limit:
                 raise TimeoutError(f"fault scenario: timed out after {self.limit:.0f} s waiting for {what}; the "
@@ -248,7 +260,7 @@ class Scenario:
 
 def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
                      restart_at: int | None = 20, inside: bool = False, lighthouse: str | None = None,
-                     limit: float = 60.0, join_ms: int = 200, **cfg) -> list[dict]:
+                     limit: float = 60.0, join_ms: int = 200, **cfg: Any) -> list[dict]:
     """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
     fault; ``inside``: in the middle of that step's exchange, after its first collective round) and is restarted
     when the others reach ``restart_at`` (they wait there until it is back, so the run shows the heal; None: not

@@ -99,7 +99,7 @@ def worker(cfg: dict) -> dict:
     model = models.build_model(cfg["model"], seed=0)
     ddp, opt, keep = _setup(cfg, model)
     x, y = models.batch(cfg["model"], 32, cfg["rank"])
-    times, tx = [], []
+    times: list[float] = []
     for i in range(cfg["warmup"] + cfg["steps"]):
         if i == cfg["warmup"]:
             tx0 = hosts.read_tx_bytes(cfg["ifname"])
@@ -150,10 +150,13 @@ def _run_loopback(n: int, settings: dict) -> list[dict]:
     return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(n)]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    from ..timing import RATE_RULE, rate_argument as rate_arg
+
     p = argparse.ArgumentParser(prog="python -m gradcompress.testbed.ftbench", description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--rate", default=None, help="link rate of each host (e.g. 1gbit); default: loopback")
+    p.add_argument("--rate", type=rate_arg, default=None,
+                   help=f"link rate of each host, in {RATE_RULE}; default: loopback")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--model", default="mlp")
@@ -167,11 +170,11 @@ def main(argv=None) -> int:
         cfg = hosts.worker_config(args.worker)
         hosts.write_result(cfg, worker(cfg))
         os._exit(0)
-    from ..timing import parse_rate
+    from ..timing import format_rate
 
-    rate = parse_rate(args.rate) if args.rate else None
+    rate = args.rate
     say = (lambda *a, **k: None) if args.json else print
-    say(f"ftbench: {args.hosts} {'hosts at ' + args.rate if rate else 'processes on loopback'}, model "
+    say(f"ftbench: {args.hosts} {'hosts at ' + format_rate(rate) if rate else 'processes on loopback'}, model "
         f"{args.model}, {args.steps} timed steps after {args.warmup}")
     base, rows = None, []
     for mode in args.modes:

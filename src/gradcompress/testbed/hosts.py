@@ -143,7 +143,7 @@ def _wait(bed: netns.Testbed, tmp: str, timeout: float, label: str, hint: str) -
         time.sleep(0.2)
 
 
-def _teardown(bed: netns.Testbed, logs: list, tmp: str, echo: "_Echo | None", previous: dict, label: str) -> None:
+def _teardown(bed: netns.Testbed, logs: list, tmp: str, echo: _Echo | None, previous: dict, label: str) -> None:
     """Stop the echo, the workers and the network, remove ``tmp``; a second Ctrl-C must not cut this short,
     so the signals are held until it is done, then the earlier handlers come back."""
     try:

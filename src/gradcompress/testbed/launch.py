@@ -10,6 +10,7 @@ left running either way. ``fn`` must be a module-level function (it is pickled).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -20,8 +21,13 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 class WorkerError(RuntimeError):
@@ -31,6 +37,22 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker {rank} failed:\n{text}")
         self.rank = rank
         self.text = text
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[dist.ProcessGroup | None]:
+    """A gloo process group of this process alone (rank 0 of 1, in memory: no port), destroyed on exit: what a
+    single-process DiLoCo, a test or a script run without torchrun, needs (``DiLoCo`` refuses to run without a
+    group). Refused if ``torch.distributed`` is already initialised."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("one_process_group: torch.distributed is already initialised")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -95,7 +117,7 @@ class Child:
     def returncode(self) -> int | None:
         return self._proc.exitcode
 
-    def send_signal(self, sig) -> None:
+    def send_signal(self, sig: int) -> None:
         if self._proc.exitcode is None:
             try:
                 os.kill(self.pid, sig)
@@ -111,11 +133,11 @@ class Child:
     def wait(self, timeout: float | None = None) -> int:
         self._proc.join(timeout)
         if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
+            raise subprocess.TimeoutExpired(self.args, cast(float, timeout))  # None: join waited until the end
         return self._proc.exitcode
 
 
-def child(argv: list[str], env: dict, out: str):
+def child(argv: list[str], env: dict, out: str) -> Child | subprocess.Popen:
     """A :class:`Child` running ``argv`` where the fork server can run it (this interpreter, ``-m MODULE`` or a
     script); else a :class:`subprocess.Popen` of it (output appended to ``out``)."""
     forkable = len(argv) >= 2 and argv[0] == sys.executable and (argv[1] == "-m" or argv[1].endswith(".py"))
@@ -147,7 +169,7 @@ def _child_main(args: list[str], env: dict, out: str) -> None:
         runpy.run_path(args[0], run_name="__main__")
 
 
-def run(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout: float = 30.0,
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, collective_timeout: float = 30.0,
         threads: int = 1) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo workers; see the module doc."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -173,7 +195,7 @@ def run(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout: 
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
-                    raise WorkerError(dead[0], f"exited with code {procs[dead[0]].exitcode} without a result")
+                    raise WorkerError(dead[0], f"exited with code {procs[dead[0]].exitcode} without a result") from None
                 continue
             if not ok:
                 raise WorkerError(rank, data)

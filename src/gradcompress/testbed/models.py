@@ -11,6 +11,12 @@ different on every worker.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
 MODELS = ("mlp", "mlp8m", "cnn", "tiny", "lm")
 #: the families by size: ``family:size``
 FAMILIES = ("mlp", "conv", "transformer")
@@ -42,7 +48,7 @@ def checked(name: str) -> str:
     return name
 
 
-def build_model(name: str, seed: int = 0):
+def build_model(name: str, seed: int = 0) -> nn.Module:
     """The benchmark model ``name`` (see the module's docstring), its weights from ``seed``."""
     import torch
     import torch.nn as nn
@@ -75,7 +81,7 @@ def model_shapes(name: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in build_model(name).parameters()]
 
 
-def batch(name: str, batch_size: int, rank: int):
+def batch(name: str, batch_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of rank ``rank``: the same every time it is asked for."""
     import torch
 
@@ -93,7 +99,7 @@ def batch(name: str, batch_size: int, rank: int):
     return torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def loss(name: str, out, y):
+def loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The model's training loss: cross-entropy (transformers: per byte), mean squared error for the MLPs."""
     import torch.nn.functional as F
 

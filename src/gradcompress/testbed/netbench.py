@@ -54,11 +54,12 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, cast
 
 from ..factory import Run, build, one_bucket_mb
 from ..scheme import AUTO, DECOUPLED, parse_scheme
 from . import hosts, models, netbench_fsdp
-from .netns import tbf_burst_bytes
+from .netns import tbf
 
 MIN_WARMUP = 3  # untimed steps: 2 dense (the Compressor's and powerSGD_hook's warm-up) + 1 compressed
 COMPRESSOR_WARMUP = 2
@@ -173,6 +174,8 @@ def _row(text: str, recs: list[dict], shapes: list[tuple], workers: int, per_nod
     iface = [r["iface_tx_bytes"] / n for r in recs]
     h = _diloco_h(text)
     kind, model_bytes = _model_wire_bytes(text, h, shapes, workers, recs[0]["bucket_cap_bytes"])
+    wire: float | None
+    source: str | None
     if recs[0]["wire_bytes"] is not None:
         wire, source = statistics.fmean(r["wire_bytes"] for r in recs) / n, "stats"
     else:
@@ -208,7 +211,7 @@ def _node_figures(text: str, recs: list[dict], shapes: list[tuple], workers: int
     """Per node and step: the uplink's tx bytes (read by the node's local rank 0; every worker of the node reads
     the same counter), the sum of its workers' ``stats()["inter_node_bytes"]`` (ours; for the PyTorch baselines
     the cost model's count of what crosses the uplink, marked ``model``), and the topology ours ran."""
-    from ..costmodel import node_uplink_bytes, parse_scheme as cost_scheme
+    from ..costmodel import modelled_scheme as cost_scheme, node_uplink_bytes
 
     nodes = workers // per_node
     uplink = [recs[k * per_node]["iface_tx_bytes"] / n for k in range(nodes)]
@@ -231,7 +234,7 @@ def _node_figures(text: str, recs: list[dict], shapes: list[tuple], workers: int
 def _model_wire_bytes(text: str, h: int, shapes: list[tuple], workers: int, bucket_cap: int | None):
     """(kind, the cost model's bytes per step or None) of a scheme: DiLoCo's outer exchange every H steps
     has no model (None); the FSDP baseline's reduce-scatter sends (W-1)/W of the float32 gradient."""
-    from ..costmodel import parse_scheme as cost_scheme, wire_bytes
+    from ..costmodel import modelled_scheme as cost_scheme, wire_bytes
 
     if h:
         return "diloco", None
@@ -390,11 +393,11 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     own = h or _decoupled(text)  # DiLoCo and DeMo keep their own counters (streaming: one Compressor per fragment)
     cap_mb = one_bucket if _ddp_kind(cfg, text, h) == "torch-powersgd" else None
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = net(x) if cfg.get("emulated_s") else models.loss(name, net(x), y)
+    def step() -> float:  # runs before the ``del net, opt`` below (ruff reads the del as unbinding them here)
+        opt.zero_grad(set_to_none=True)  # noqa: F821
+        loss = net(x) if cfg.get("emulated_s") else models.loss(name, net(x), y)  # noqa: F821
         loss.backward()
-        opt.step()
+        opt.step()  # noqa: F821
         return loss.item()
 
     auto = comp is not None and comp.autopilot is not None
@@ -417,8 +420,7 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
 
 def reshape(ifname: str, rate_bit: float) -> None:
     """Set this host's uplink (``ifname``'s egress, in the namespace this process runs in) to ``rate_bit``."""
-    subprocess.run(["tc", "qdisc", "change", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
-                    f"{int(rate_bit)}bit", "burst", str(tbf_burst_bytes(rate_bit)), "latency", "100ms"], check=True)
+    subprocess.run(["tc", "qdisc", "change", "dev", ifname, "root", "handle", "1:", *tbf(rate_bit)], check=True)
 
 
 def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list | None = None) -> dict:
@@ -432,8 +434,9 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list 
     dist.barrier()  # every earlier byte has crossed the links (peers received it)
     time.sleep(0.05)  # and the last ACKs too
     tx0 = hosts.read_tx_bytes(ifname)
-    st0 = comp.stats() if comp else None
-    step_times, step_wire = [], []
+    st0: Any = comp.stats() if comp else None  # read only with comp
+    step_times: list[float] = []
+    step_wire: Any = []  # per step, then their differences (None without a Compressor)
     loss = float("nan")
     for k in range(timed):
         if change is not None and k == change[0]:
@@ -444,7 +447,7 @@ def _timed_steps(ifname: str, step, comp, warmup: int, timed: int, change: list 
         step_times.append(time.perf_counter() - start)
         if comp is not None:
             step_wire.append(comp.stats()["wire_bytes"])
-    st1 = comp.stats() if comp else None
+    st1: Any = comp.stats() if comp else None  # read only with comp
     # a collective is complete here once its bytes are in the socket buffers, not yet through the shaped
     # link: wait until every peer has received everything (a barrier: ~100 bytes) before reading tx_bytes
     dist.barrier()
@@ -477,7 +480,7 @@ def _bucket_count(cfg: dict, model, net, h: int) -> int:
     return len([s for s in sizes.split(",") if s.strip()])
 
 
-def _setup(cfg: dict, model, text: str):
+def _setup(cfg: dict, model, text: str | None):  # (given a str: None once split() reads a baseline)
     """(net, optimizer, Compressor or None) of scheme ``text`` on ``model``: ``ddp-nosend`` here, every other scheme
     by :func:`gradcompress.factory.build`, with plain SGD (lr 1e-3) and our Compressor's ``warmup_steps=2``,
     ``seed=0``."""
@@ -487,7 +490,7 @@ def _setup(cfg: dict, model, text: str):
         return _nosend(model)
     fsdp, per_node, params = bool(cfg.get("fsdp")), 0, None
     if fsdp and cfg.get("workers_per_node", 1) > 1:  # FSDP on nodes: a codec with layout= and params= (netbench_fsdp)
-        text, layout, params = netbench_fsdp.split(text)
+        text, layout, params = netbench_fsdp.split(cast(str, text))
         per_node = cfg["workers_per_node"] if layout == "hsdp" else 0
     scheme = None if text is None or (fsdp and text == FSDP_BASELINE) else parse_scheme(text)
     options = {"warmup_steps": COMPRESSOR_WARMUP, "seed": 0, **({} if scheme is None else scheme.compressor)}

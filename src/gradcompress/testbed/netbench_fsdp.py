@@ -17,8 +17,12 @@ nowhere — gradients and parameters together, as the link carries them — with
 
 from __future__ import annotations
 
+from ..spec import take_options
+
 BASELINES = ("fsdp", "hsdp")
 LAYOUTS = ("fsdp", "hsdp")
+#: this module's options next to a codec's (read by :func:`gradcompress.spec.take_options`)
+OPTIONS = ("layout", "params")
 #: the default schemes of --fsdp --nodes
 NODE_FSDP_SCHEMES = ("fsdp", "hsdp", "int8:layout=hsdp", "int4:layout=hsdp", "sign:layout=hsdp", "int4",
                      "int4:params=int8", "none:params=int8")
@@ -29,27 +33,23 @@ def split(text: str) -> tuple[str | None, str, str | None]:
     text = text.strip()
     if text in BASELINES:
         return None, text, None
-    name, _, rest = text.partition(":")
-    kept, layout, params = [], "fsdp", None
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, _, value = item.partition("=")
+    codec, taken = take_options(text, OPTIONS)
+    layout, params = "fsdp", None
+    for key, value in taken:
         if key == "layout":
             if value not in LAYOUTS:
                 raise ValueError(f"{text}: layout must be one of {', '.join(LAYOUTS)}, got {value!r}")
             layout = value
-        elif key == "params":
+        else:
             if value not in ("int8", "bf16"):
                 raise ValueError(f"{text}: params must be int8 or bf16, got {value!r}")
             params = value
-        else:
-            kept.append(item)
-    return (f"{name}:{','.join(kept)}" if kept else name), layout, params
+    return codec, layout, params
 
 
 def has_options(text: str) -> bool:
     """True when ``text`` uses this module's ``layout=`` or ``params=`` options."""
-    rest = text.partition(":")[2]
-    return any(item.strip().partition("=")[0] in ("layout", "params") for item in rest.split(","))
+    return bool(take_options(text, OPTIONS)[1])
 
 
 __all__ = ["BASELINES", "LAYOUTS", "NODE_FSDP_SCHEMES", "has_options", "split"]

@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import time
+from typing import Any, cast
 
 PREFIX = "gcnb"
 SUBNET = "10.213.0"  # private range, used only inside the namespaces created here
@@ -152,7 +153,7 @@ def cleanup_stale() -> list[str]:
     """Delete namespaces left by Testbeds whose process is gone (a crashed run); return their names."""
     stale = []
     for ns in ours():
-        pid = int(_NAME_RE.match(ns).group(1))
+        pid = int(cast(re.Match, _NAME_RE.match(ns)).group(1))  # ours(): names that match
         if pid != os.getpid() and not _pid_alive(pid):
             stale.append(ns)
     if stale:
@@ -164,6 +165,17 @@ def cleanup_stale() -> list[str]:
 def tbf_burst_bytes(rate_bit: float) -> int:
     """Token-bucket depth: 1 ms at the rate, at least 64 KiB (one GSO packet must fit)."""
     return max(64 * 1024, int(rate_bit / 8 * 1e-3))
+
+
+def tc_rate(rate_bit: float) -> str:
+    """``rate_bit`` (bit/s) in tc's own notation: ``bit`` (tc reads ``bps`` as BYTES per second, so a rate parsed by
+    :func:`gradcompress.timing.parse_rate` is never handed to tc as the user spelt it)."""
+    return f"{round(rate_bit)}bit"
+
+
+def tbf(rate_bit: float) -> list[str]:
+    """The ``tbf`` qdisc arguments that shape a link to ``rate_bit`` bit/s (every tc command of the testbed)."""
+    return ["tbf", "rate", tc_rate(rate_bit), "burst", str(tbf_burst_bytes(rate_bit)), "latency", "100ms"]
 
 
 class Testbed:
@@ -193,7 +205,7 @@ class Testbed:
         self._down = False
 
     # ----------------------------------------------------------------- setup
-    def up(self) -> "Testbed":
+    def up(self) -> Testbed:
         """Build the namespaces, bridge, links and qdiscs; on failure tear down and raise NetnsError."""
         try:
             self._up()
@@ -212,8 +224,7 @@ class Testbed:
         self._ns_add(br)
         _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
         _run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
-        rate = None if self.rate_bit is None else f"{int(self.rate_bit)}bit"
-        burst = None if self.rate_bit is None else str(tbf_burst_bytes(self.rate_bit))
+        shape = None if self.rate_bit is None else tbf(self.rate_bit)
         for i, (ns, addr) in enumerate(zip(self.host_ns, self.addresses)):
             self._ns_add(ns)
             for key in ("all", "default"):
@@ -224,13 +235,11 @@ class Testbed:
                   self.ifname, "mtu", str(self.mtu), "netns", ns])
             _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE])
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", self.ifname])
-            if rate:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", self.ifname, "root", "handle", "1:", "tbf",
-                      "rate", rate, "burst", burst, "latency", "100ms"])
-                _run(["tc", "-n", br, "qdisc", "add", "dev", port, "root", "handle", "1:", "tbf",
-                      "rate", rate, "burst", burst, "latency", "100ms"])
+            if shape:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", self.ifname, "root", "handle", "1:", *shape])
+                _run(["tc", "-n", br, "qdisc", "add", "dev", port, "root", "handle", "1:", *shape])
             if self.delay_s > 0:
-                parent = ["parent", "1:1"] if rate else ["root"]
+                parent = ["parent", "1:1"] if shape else ["root"]
                 delay = f"{self.delay_s * 1e6:.0f}us"
                 try:
                     _run(["tc", "-n", ns, "qdisc", "add", "dev", self.ifname, *parent, "handle", "10:", "netem",
@@ -244,7 +253,7 @@ class Testbed:
             _run(["ip", "-n", ns, "link", "set", self.ifname, "up"])
 
     # ----------------------------------------------------------------- processes
-    def spawn(self, host: int, argv: list[str], env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
+    def spawn(self, host: int, argv: list[str], env: dict | None = None, **popen_kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``host``'s namespace; the process is killed by :meth:`down`."""
         proc = subprocess.Popen(["ip", "netns", "exec", self.host_ns[host], *argv], env=env, **popen_kwargs)
         self.procs.append(proc)
@@ -291,7 +300,7 @@ class Testbed:
             if old is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         return self.up()
 
     def __exit__(self, *exc) -> None:
@@ -299,4 +308,4 @@ class Testbed:
 
 
 __all__ = ["NetnsError", "Testbed", "cleanup_stale", "list_namespaces", "netem_available", "ours", "probe",
-           "problem", "tbf_burst_bytes", "PREFIX", "SUBNET", "HOST_IFNAME"]
+           "problem", "tbf", "tbf_burst_bytes", "tc_rate", "PREFIX", "SUBNET", "HOST_IFNAME"]

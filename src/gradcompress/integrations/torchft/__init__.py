@@ -2,7 +2,8 @@
 when replicas die and come back.
 
 * :class:`DistributedDataParallel` ``(manager, module, spec, **options)``: torchft's DDP with gradcompress's hook;
-* :class:`Compressor` ``(spec, manager, **options)``: for custom loops (``synchronize``) and DiLoCo
+* :func:`managed_compressor` ``(spec, manager, **options)`` (also published as ``Compressor``): a
+  :class:`gradcompress.Compressor` under the Manager, for custom loops (``synchronize``) and DiLoCo
   (``gradcompress.optim.DiLoCo(..., manager=manager)`` builds one);
 * :class:`ManagedCollectives`: the collectives on the Manager's quorum (errors reported to the Manager);
 * :class:`Lighthouse`: torchft's lighthouse server on 127.0.0.1 (tests, CLI, demo).
@@ -16,8 +17,9 @@ outer state) and starts with zero residuals; server residuals restart when the q
 """
 
 from .collectives import ManagedCollectives
-from .compressor import STATE_KEY, Compressor
+from .compressor import STATE_KEY, Compressor, managed_compressor
 from .ddp import DistributedDataParallel
 from .lighthouse import Lighthouse
 
-__all__ = ["Compressor", "DistributedDataParallel", "Lighthouse", "ManagedCollectives", "STATE_KEY"]
+__all__ = ["Compressor", "DistributedDataParallel", "Lighthouse", "ManagedCollectives", "STATE_KEY",
+           "managed_compressor"]

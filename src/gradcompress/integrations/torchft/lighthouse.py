@@ -9,12 +9,28 @@ from __future__ import annotations
 
 
 class Lighthouse:
-    """``with Lighthouse(min_replicas=1) as lh: ... lh.address``: torchft's own ``LighthouseServer`` in this
-    process, bound to ``host`` (default 127.0.0.1) on a port the system chooses; ``address``:
-    ``http://HOST:PORT`` (the server itself reports the machine's hostname, which may not resolve)."""
+    """torchft's own ``LighthouseServer`` in this process, on a port the system chooses.
+
+    It sends nothing of the gradients: it decides each step's quorum of live replica groups (module docstring).
+    ``address``: ``http://HOST:PORT`` (the server itself reports the machine's hostname, which may not resolve).
+
+    Args:
+        min_replicas: the fewest replica groups that form a quorum (default 1).
+        host: the address it binds (default ``"127.0.0.1"``).
+        join_timeout_ms: how long a quorum waits for replicas heartbeating but not yet asking (default 200).
+        heartbeat_timeout_ms: how long after its last heartbeat a replica counts as dead (default 1000).
+        quorum_tick_ms: how often the lighthouse re-evaluates the quorum (default 20).
+
+    Example::
+
+        >>> from gradcompress.integrations.torchft import Lighthouse
+        >>> with Lighthouse(min_replicas=1) as lighthouse:   # shut down on leaving the block
+        ...     lighthouse.address.startswith("http://127.0.0.1:")
+        True
+    """
 
     def __init__(self, min_replicas: int = 1, *, host: str = "127.0.0.1", join_timeout_ms: int = 200,
-                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 20):
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 20) -> None:
         from torchft.coordination import LighthouseServer
 
         self.server = LighthouseServer(bind=f"{host}:0", min_replicas=min_replicas,
@@ -25,10 +41,10 @@ class Lighthouse:
     def shutdown(self) -> None:
         self.server.shutdown()
 
-    def __enter__(self) -> "Lighthouse":
+    def __enter__(self) -> Lighthouse:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 
