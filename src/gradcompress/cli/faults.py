@@ -24,7 +24,7 @@ DEMO_SCHEMES = ("int8", "powersgd:rank=2")
 
 def _torchft_problem() -> str | None:
     try:
-        import torchft  # noqa: F401
+        import torchft  # noqa: F401 - imported only to see that it imports
     except ImportError:
         return "torchft is not installed: pip install 'gradcompress[torchft]' (torchft 0.2.0)"
     return None

@@ -168,8 +168,8 @@ def calibrate(codecs: list, numel: int = CALIBRATION_NUMEL, threads: int = 1, re
                 t = x[: MATRIX_ROWS * cols].view(MATRIX_ROWS, cols)
             payload = codec.encode(t, seed=0)
             # the lambdas are timed at once, in this iteration: no late binding
-            enc[codec.spec] = _min_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()  # noqa: B023
-            dec[codec.spec] = _min_time(lambda: codec.decode(payload), repeats) / t.numel()  # noqa: B023
+            enc[codec.spec] = _min_time(lambda: codec.encode(t, seed=0), repeats) / t.numel()  # noqa: B023 - timed now
+            dec[codec.spec] = _min_time(lambda: codec.decode(payload), repeats) / t.numel()  # noqa: B023 - timed now
         return Speeds(elementwise=ew, encode=enc, decode=dec)
     finally:
         torch.set_num_threads(old)

@@ -198,7 +198,7 @@ def split_scheme(scheme: str) -> tuple[Codec, dict[str, Any]]:
 def onebitadam_problem() -> str | None:
     """None when ``gradcompress.optim.OneBitAdam`` can be imported, else why not (one line)."""
     try:
-        from ..optim import OneBitAdam  # noqa: F401
+        from ..optim import OneBitAdam  # noqa: F401 - imported only to see that it imports
     except Exception as err:  # ImportError, or a half-written module
         return f"gradcompress.optim.OneBitAdam is not available ({type(err).__name__}: {one_line(err)})"
     return None

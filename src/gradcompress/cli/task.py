@@ -79,7 +79,10 @@ def load_data(seed: int = 0, test_size: float = 0.25) -> dict[str, torch.Tensor]
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
     mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
     std = np.where(std > 0, std, 1.0)  # a few border pixels are always 0
-    f = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
+
+    def f(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(((a - mean) / std).astype(np.float32))
+
     return {"x_train": f(x_tr), "y_train": torch.from_numpy(y_tr).long(),
             "x_test": f(x_te), "y_test": torch.from_numpy(y_te).long()}
 

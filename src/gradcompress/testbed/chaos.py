@@ -146,8 +146,8 @@ def replica(cfg: dict, prepared: tuple | None = None) -> None:
         time.sleep(PACE)  # leave the standbys CPU to start (the machine has 2 cores)
         idx = torch.randint(0, len(x), (32,), generator=gen)
         # train() calls arm() before it returns, in this iteration: no late binding of healed_at, exchanges
-        exchanged = train(x[idx], y[idx], lambda: wire.arm() if wire is not None and healed_at is not None  # noqa: B023
-                          and exchanges == healed_at + cfg["after"] else None, wire)  # noqa: B023
+        exchanged = train(x[idx], y[idx], lambda: wire.arm() if wire is not None and healed_at is not None  # noqa: B023 - called now
+                          and exchanges == healed_at + cfg["after"] else None, wire)  # noqa: B023 - called now
         if not exchanged:
             continue
         exchanges += 1
@@ -381,7 +381,10 @@ def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str
                 if kind == "stop":  # hung with its sockets open until the survivors went on without it
                     victim.kill()
                 victim.wait()
-        healed = lambda: any(r.get("standby") == len(kills) and r["committed"] for r in s.rows())  # noqa: E731
+
+        def healed() -> bool:
+            return any(r.get("standby") == len(kills) and r["committed"] for r in s.rows())
+
         s.wait_until(healed, "the last standby to heal")
         last = max(r["step"] for r in s.rows())
         s.wait_until(lambda: max(r["step"] for r in s.rows()) >= last + tail, "the last steps")

@@ -394,10 +394,10 @@ def _scheme_record(cfg: dict, i: int, text: str, x, y, one_bucket: int) -> dict:
     cap_mb = one_bucket if _ddp_kind(cfg, text, h) == "torch-powersgd" else None
 
     def step() -> float:  # runs before the ``del net, opt`` below (ruff reads the del as unbinding them here)
-        opt.zero_grad(set_to_none=True)  # noqa: F821
-        loss = net(x) if cfg.get("emulated_s") else models.loss(name, net(x), y)  # noqa: F821
+        opt.zero_grad(set_to_none=True)  # noqa: F821 - bound: see the del below
+        loss = net(x) if cfg.get("emulated_s") else models.loss(name, net(x), y)  # noqa: F821 - bound: see the del below
         loss.backward()
-        opt.step()  # noqa: F821
+        opt.step()  # noqa: F821 - bound: see the del below
         return loss.item()
 
     auto = comp is not None and comp.autopilot is not None
