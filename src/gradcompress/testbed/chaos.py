@@ -555,7 +555,8 @@ def _stall(s, where: str, victim, n: int) -> float:
 def verdict(rows: list[dict], kills: int) -> dict:
     """What the log shows (see the module docstring): ``unequal`` (steps the survivors both committed with
     different parameters or shared state), ``failed_committed`` (rows that committed with an error),
-    ``unhealed`` (standbys that never committed or differed from the survivors after healing), ``steps``."""
+    ``unhealed`` (standbys that never committed or differed from the survivors after healing), ``steps``, and
+    ``unequal_rows`` (every row of the first two unequal steps)."""
     by_step: dict[int, list[dict]] = {}
     for r in rows:
         if r["committed"]:
@@ -575,7 +576,8 @@ def verdict(rows: list[dict], kills: int) -> dict:
                 unhealed.append(n)
                 break
     return {"unequal": sorted(unequal), "failed_committed": len(failed), "unhealed": unhealed,
-            "steps": max(by_step, default=-1) + 1}
+            "steps": max(by_step, default=-1) + 1,
+            "unequal_rows": [r for r in rows if r["step"] in unequal[:2]]}  # what a failure shows to replay it
 
 
 if __name__ == "__main__":
