@@ -7,7 +7,8 @@ digests from the same commit: MKL dispatches by vendor), so recorded digests are
 digest. Elsewhere the guard still holds, within a stated tolerance: every case's mass (the sum of the absolute
 values of what it digests) must lie within ``golden_workers.MASS_RTOL`` of a recording's — a change of results
 moves it far more than another BLAS does. Record from a commit known good with
-``python tests/golden_workers.py --record``; a change that alters results on purpose re-records the affected
+``python tests/golden_workers.py --record``. Beside them, ``golden_portable`` digests what no BLAS or vector width
+moves (every codec's exchange and committed state on exact inputs) and is compared bit for bit on every machine; a change that alters results on purpose re-records the affected
 digests in a commit of its own that says so.
 """
 
@@ -16,6 +17,7 @@ import warnings
 
 import pytest
 
+import golden_portable
 import golden_workers
 
 FINGERPRINT = golden_workers.fingerprint()
@@ -58,3 +60,19 @@ def test_results_are_the_recorded_ones(world):
                       stacklevel=2)
     changed = sorted(k for k in expected if got["digests"][k] != expected[k])
     assert not changed, f"results changed for: {', '.join(changed)}"
+
+
+def test_portable_results_are_the_same_on_every_machine():
+    """What does not depend on the BLAS or the vector width (every codec's exchange and committed state on exact
+    inputs, ``golden_portable``) is compared bit for bit on every machine; the codecs that reduce in float in
+    ``golden_portable.NOT_PORTABLE`` only."""
+    expected = golden_portable.recorded()
+    got = golden_portable.digests()
+    assert set(expected) == set(got) - set(golden_portable.NOT_PORTABLE), sorted(set(expected) ^ set(got))
+    changed = sorted(k for k in expected if got[k] != expected[k])
+    assert not changed, f"results changed for: {', '.join(changed)}"
+
+
+def test_the_portable_cases_cover_every_codec_case_but_the_reasons_given():
+    assert set(golden_portable.NOT_PORTABLE) < {name for name, _, _ in golden_workers.CODEC_CASES}
+    assert all(golden_portable.NOT_PORTABLE.values())
