@@ -32,7 +32,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 where = tempfile.mkdtemp(prefix="stall-")
                 rows = faults.kill_and_restart(where, spec, steps=20, kill_at=10, restart_at=None, inside=inside)
-                summary = faults.summarize(rows, 3, faults.killed_at(where))
+                summary = faults.summarize_scenario(rows, 3, faults.killed_at(where))
                 stalls.append(summary["stall_seconds"])
                 lost.append(sum(not r["committed"] for r in rows if r["replica"] < 2))
             cases.append({"scheme": spec, "kill": "inside the exchange" if inside else "between two steps",

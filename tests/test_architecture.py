@@ -427,20 +427,6 @@ SHARED_FUNCTIONS = {
     "unpack": ({"codecs/fast.py", "codecs/packing.py"}, "the compiled kernel of codecs.packing's, the same contract"),
     "check_config": ({"integrations/torchtitan/__init__.py", "integrations/torchtitan/diloco.py",
                       "integrations/torchtitan/ft.py"}, "torchtitan's config check: the package's calls its parts'"),
-    # known, to be renamed (their modules belonged to other work when this list was written)
-    "register": ({"adapters/ddp_hook.py", "spec.py"}, "to rename: a DDP hook's registration, a codec's"),
-    "check": ({"cli/schemes.py", "optim/diloco_shards.py", "optim/streaming.py", "topology.py"}, "to rename"),
-    "parse": ({"cli/schemes.py", "spec.py"}, "to rename"),
-    "make_model": ({"cli/task.py", "testbed/lm.py"}, "to rename"),
-    "summarize": ({"cli/task.py", "testbed/faults.py"}, "to rename"),
-    "enabled": ({"codecs/fast.py", "integrations/torchtitan/ft.py"}, "to rename"),
-    "available": ({"codecs/fast.py", "spec.py"}, "to rename"),
-    "build": ({"codecs/fast.py", "factory.py", "topology.py"}, "to rename (factory.build is public)"),
-    "prepare": ({"codecs/fast.py", "integrations/torchtitan/ft.py"}, "to rename"),
-    "packed_nbytes": ({"codecs/packing.py", "codecs/quantize.py"}, "to rename"),
-    "split": ({"exchanges/layout.py", "testbed/netbench_fsdp.py"}, "to rename"),
-    "describe": ({"integrations/torchtitan/__init__.py", "topology.py"}, "to rename"),
-    "resolve": ({"optim/diloco_shards.py", "topology.py"}, "to rename"),
 }
 
 

@@ -26,7 +26,7 @@ N = 70_001  # > fast.MIN_NUMEL; 70001 % 512 = 369 (partial last bucket), % 8 = 1
 
 @pytest.fixture
 def lib():
-    if not fast.available():
+    if not fast.kernels_available():
         pytest.skip(f"fast kernels unavailable: {fast.failure()}")
     with fast.use(True):
         yield
@@ -187,7 +187,7 @@ def test_build_raises_with_the_reason(monkeypatch):
     monkeypatch.setattr(fast, "_compiler", lambda: None)
     with pytest.warns(RuntimeWarning):
         with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-            fast.build()
+            fast.build_kernels()
 
 
 # --------------------------------------------------------------------------- deterministic quantisers

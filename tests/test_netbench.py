@@ -300,9 +300,9 @@ def test_netbench_fsdp_on_nodes_compressed_hsdp_and_parameters_below_dense():
 
 
 def test_netbench_fsdp_scheme_options():
-    assert nf.split("hsdp") == (None, "hsdp", None)
-    assert nf.split("topk:ratio=0.01,layout=hsdp,params=bf16") == ("topk:ratio=0.01", "hsdp", "bf16")
-    assert nf.split("int4:params=int8") == ("int4", "fsdp", "int8")
+    assert nf.split_fsdp_scheme("hsdp") == (None, "hsdp", None)
+    assert nf.split_fsdp_scheme("topk:ratio=0.01,layout=hsdp,params=bf16") == ("topk:ratio=0.01", "hsdp", "bf16")
+    assert nf.split_fsdp_scheme("int4:params=int8") == ("int4", "fsdp", "int8")
     for bad, says in [("int8:layout=ring", "layout must be one of fsdp, hsdp"), ("int8:params=int4", "params must"),
                       ("powersgd:rank=2", "powersgd cannot compress FSDP")]:
         with pytest.raises(CLIError, match=says):

@@ -43,7 +43,7 @@ class Unset(enum.Enum):
 UNSET = Unset.UNSET
 #: what ``Compressor(spec)`` takes: a spec string, a dict of one, or a codec
 Spec: TypeAlias = "str | dict[str, Any] | Codec"
-#: what the ``topology`` option takes (:func:`gradcompress.topology.check`): ``"auto"``, ``"flat"``, workers per
+#: what the ``topology`` option takes (:func:`gradcompress.topology.check_topology`): ``"auto"``, ``"flat"``, workers per
 #: node, a 2-D DeviceMesh or a :class:`~gradcompress.topology.Topology`
 TopologyOption: TypeAlias = "str | int | topology_mod.Topology | DeviceMesh"
 
@@ -70,7 +70,7 @@ def _validate(o: dict[str, Any]) -> None:
     m = o["momentum"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
         raise ValueError(f"Compressor: momentum must be a number in [0, 1), got {m!r}")
-    topology_mod.check(o["topology"], o["intra_node"])
+    topology_mod.check_topology(o["topology"], o["intra_node"])
     if o["residual_dtype"] not in RESIDUAL_DTYPES:
         raise ValueError(f"Compressor: residual_dtype must be one of "
                          f"{', '.join(str(d) for d in RESIDUAL_DTYPES)}, got {o['residual_dtype']!r}")

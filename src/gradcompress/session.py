@@ -107,7 +107,7 @@ class Session:
             return
         whole = c.codec.aggregation is Aggregation.LOWRANK
         # not None: two nodes or more, of two workers or more (checked above as build checks it)
-        layout = cast(topology_mod.Topology, topology_mod.build(option, self.nodes, comm.group))
+        layout = cast(topology_mod.Topology, topology_mod.build_topology(option, self.nodes, comm.group))
         self.hierarchy = Hierarchy(layout, c.intra_node, owners=whole)
 
     def world(self) -> int:

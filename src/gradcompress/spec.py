@@ -35,14 +35,14 @@ from .units import format_rate, parse_rate
 _REGISTRY: dict[str, type] = {}
 
 
-class _Named(Protocol):  # what register() needs of a codec class (codecs.base imports this module, not back)
+class _Named(Protocol):  # what register_codec() needs of a codec class (codecs.base imports this module, not back)
     name: str
 
 
 _C = TypeVar("_C", bound=type[_Named])
 
 
-def register(name: str) -> Callable[[_C], _C]:
+def register_codec(name: str) -> Callable[[_C], _C]:
     """Class decorator that makes a codec class reachable from :func:`make` under ``name``."""
 
     def deco(cls: _C) -> _C:
@@ -53,6 +53,11 @@ def register(name: str) -> Callable[[_C], _C]:
         return cls
 
     return deco
+
+
+#: the former name of :func:`register_codec` (``@gradcompress.spec.register("name")``), kept for codecs written
+#: against it
+register = register_codec
 
 
 def available() -> list[str]:

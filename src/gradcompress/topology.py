@@ -43,7 +43,7 @@ def _is_mesh(topology: object) -> TypeGuard[DeviceMesh]:
     return isinstance(topology, DeviceMesh)
 
 
-def check(topology: object, intra_node: str) -> None:
+def check_topology(topology: object, intra_node: str) -> None:
     """``ValueError`` naming what is allowed, for a bad ``topology`` or ``intra_node`` option."""
     if intra_node not in INTRA_NODE:
         raise ValueError(f"Compressor: intra_node must be one of {', '.join(INTRA_NODE)}, got {intra_node!r}")
@@ -159,7 +159,7 @@ def nodes_of(topology: object, group: dist.ProcessGroup | None,
         return _blocks(world, g)
     if topology == "auto":
         return members_of(keys if keys is not None else gather_keys(group))
-    return _blocks(world, cast(int, topology))  # check() lets only an int >= 1 reach here
+    return _blocks(world, cast(int, topology))  # check_topology() lets only an int >= 1 reach here
 
 
 def _global(group: dist.ProcessGroup | None, ranks: list[int]) -> list[int]:
@@ -168,7 +168,7 @@ def _global(group: dist.ProcessGroup | None, ranks: list[int]) -> list[int]:
     return [dist.get_global_rank(group, r) for r in ranks]
 
 
-def build(topology: object, members: list[list[int]] | None, group: dist.ProcessGroup | None) -> Topology | None:
+def build_topology(topology: object, members: list[list[int]] | None, group: dist.ProcessGroup | None) -> Topology | None:
     """The :class:`Topology` of ``members`` (every rank creates every intra and inter group, in the same order),
     or None when it is not hierarchical (fewer than 2 nodes, or fewer than 2 workers per node)."""
     if members is None or len(members) < 2 or len(members[0]) < 2:
@@ -191,8 +191,8 @@ def build(topology: object, members: list[list[int]] | None, group: dist.Process
 def resolve(topology: object, group: dist.ProcessGroup | None = None,
             keys: Sequence[str] | None = None) -> Topology | None:
     """The hierarchical :class:`Topology` of ``group`` under ``topology``, or None (flat); see the module doc."""
-    return build(topology, nodes_of(topology, group, keys), group)
+    return build_topology(topology, nodes_of(topology, group, keys), group)
 
 
-__all__ = ["INTRA_NODE", "TOPOLOGIES", "Topology", "build", "check", "describe", "gather_keys", "members_of",
-           "node_key", "nodes_of", "resolve"]
+__all__ = ["INTRA_NODE", "TOPOLOGIES", "Topology", "build_topology", "check_topology", "describe", "gather_keys",
+           "members_of", "node_key", "nodes_of", "resolve"]

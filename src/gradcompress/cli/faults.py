@@ -63,7 +63,7 @@ def run_one(spec: str, where: str, *, kill: bool, lighthouse: str | None = None,
     if not kill:
         cfg["kill_at"] = None
     rows = faults.kill_and_restart(where, spec, lighthouse=lighthouse, limit=120 + 0.5 * cfg["steps"], **cfg)
-    summary = faults.summarize(rows, cfg["replicas"], faults.killed_at(where))
+    summary = faults.summarize_scenario(rows, cfg["replicas"], faults.killed_at(where))
     summary.update(spec=spec, faults=kill, rows=rows)
     return summary
 

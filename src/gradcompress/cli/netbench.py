@@ -22,7 +22,7 @@ from ..testbed.models import MODELS
 from ..testbed.models import checked as checked_model
 from ..testbed.netbench import (COMPRESSOR_WARMUP, FSDP_BASELINE, FSDP_SCHEMES, MIN_WARMUP, NODE_SCHEMES, NOSEND,
                                 bench)
-from ..testbed.netbench_fsdp import NODE_FSDP_SCHEMES, split as split_fsdp_scheme
+from ..testbed.netbench_fsdp import NODE_FSDP_SCHEMES, split_fsdp_scheme
 from .common import RATE_HELP, CLIError, human_bytes, positive_int, rate, split_schemes, table_lines
 from .demo import scheme_label
 from .schemes import check_schemes

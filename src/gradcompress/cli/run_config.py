@@ -13,7 +13,7 @@ import torch.nn as nn
 from ..factory import Run, diloco_options
 from ..scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme
 from .common import CLIError
-from .schemes import parse
+from .schemes import parse_cli_scheme
 
 if TYPE_CHECKING:
     from ..codecs import Codec
@@ -110,7 +110,7 @@ class RunConfig:
                  task: str = "digits", monitor_every: int = 0, fsdp: bool = False, hsdp: int = 0,
                  params: str | None = None, diloco: int = 0, adam_warmup: int | None = None, topology: Any = "auto",
                  eval_every: int = 0, lm_size: str = "small") -> None:
-        h = parse(scheme).diloco if task in TASK_NAMES else None
+        h = parse_cli_scheme(scheme).diloco if task in TASK_NAMES else None
         parts = {"training": TaskSettings(task, lm_size, hidden, seed, steps, batch_size),
                  "optim": OptimizerSettings(lr, momentum, adam_warmup, diloco if h is None else h),
                  "exchange": ExchangeSettings(scheme, error_feedback, min_numel, warmup_steps, topology, fsdp, hsdp,
@@ -223,7 +223,7 @@ class RunConfig:
 
     def parsed(self) -> Scheme:
         """The run's scheme, parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` if it is wrong."""
-        return parse(self.scheme)
+        return parse_cli_scheme(self.scheme)
 
     def kind(self) -> str:
         """``"onebitadam"`` (OneBitAdam or CompressedAdam: the optimizer exchanges), ``"decoupled"`` (DeMo, which

@@ -39,7 +39,7 @@ def check(text: str, command: str = TRAIN, *, fsdp: bool = False, diloco: bool =
         named = _netbench_name(text, fsdp, nodes)
         if named is not None:
             return named
-    scheme = parse(text, command)
+    scheme = parse_cli_scheme(text, command)
     canonical = _validated(scheme) if command == TRAIN else scheme.text
     why = _refusal(scheme, command, fsdp, diloco)
     if why:
@@ -59,7 +59,7 @@ def check_schemes(texts: list[str], fsdp: bool = False, nodes: bool = False) -> 
     return [check(t, NETBENCH, fsdp=fsdp, nodes=nodes) for t in texts]
 
 
-def parse(text: str, command: str = TRAIN) -> Scheme:
+def parse_cli_scheme(text: str, command: str = TRAIN) -> Scheme:
     """``text`` parsed (:func:`gradcompress.scheme.parse_scheme`); ``CLIError`` (one line) if it is wrong, listing
     the command's schemes for an unknown one (and for PyTorch's baselines or an empty one under train)."""
     if command == TRAIN and (not isinstance(text, str) or not text.strip()):
@@ -110,10 +110,10 @@ def _fsdp_node_scheme(text: str) -> str:
     can carry with ``layout=`` and ``params=``."""
     from ..adapters.fsdp import check_codec
     from ..spec import make
-    from ..testbed.netbench_fsdp import split
+    from ..testbed.netbench_fsdp import split_fsdp_scheme
 
     try:
-        codec, _, _ = split(text)
+        codec, _, _ = split_fsdp_scheme(text)
         if codec is not None:
             check_codec(make(codec))
     except (ValueError, TypeError) as err:
@@ -176,7 +176,7 @@ def _validated(scheme: Scheme) -> str:
 def is_adam_scheme(scheme: str) -> bool:
     """True for ``onebitadam`` and for ``<codec spec>,compressed_adam=true`` (the optimizer exchanges itself)."""
     try:
-        parsed = parse(scheme)
+        parsed = parse_cli_scheme(scheme)
     except CLIError:
         return False
     return parsed.kind == ONEBITADAM or parsed.compressed_adam
@@ -204,5 +204,5 @@ def onebitadam_problem() -> str | None:
     return None
 
 
-__all__ = ["COMMANDS", "NETBENCH", "TRAIN", "check", "check_schemes", "is_adam_scheme", "onebitadam_problem", "parse",
-           "split_scheme", "valid_schemes"]
+__all__ = ["COMMANDS", "NETBENCH", "TRAIN", "check", "check_schemes", "is_adam_scheme", "onebitadam_problem",
+           "parse_cli_scheme", "split_scheme", "valid_schemes"]

@@ -87,7 +87,7 @@ def load_data(seed: int = 0, test_size: float = 0.25) -> dict[str, torch.Tensor]
             "x_test": f(x_te), "y_test": torch.from_numpy(y_te).long()}
 
 
-def make_model(seed: int = 0, hidden: int = 256) -> nn.Module:
+def make_mlp(seed: int = 0, hidden: int = 256) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, CLASSES))
@@ -187,7 +187,7 @@ class DigitsTask:
         return load_data(seed)
 
     def make_model(self, cfg: RunConfig) -> nn.Module:
-        return make_model(cfg.seed, cfg.hidden)
+        return make_mlp(cfg.seed, cfg.hidden)
 
     def batches(self, data: dict[str, torch.Tensor], rank: int, world: int, cfg: RunConfig) -> Batches:
         return Batches(data["x_train"], data["y_train"], rank, world, cfg.batch_size, cfg.seed)

@@ -188,7 +188,7 @@ class Codec:
     ``_decode(tensors, numel, seed, device) -> Tensor`` returning a 1-D tensor; the base class handles shapes,
     dtypes, seeds and empty tensors. It declares ``aggregation`` (default ``GATHER``, which any codec may use) and
     its properties (the class attributes below: ``unbiased``, ``stochastic``, ``fixed_layout``...);
-    ``@gradcompress.spec.register("name")`` makes it reachable from :func:`gradcompress.make` and spec strings.
+    ``@gradcompress.spec.register_codec("name")`` makes it reachable from :func:`gradcompress.make` and spec strings.
     The other methods have reference implementations from these two, which codecs with fused kernels override with
     the same values.
 

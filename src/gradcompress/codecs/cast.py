@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from ..spec import register
+from ..spec import register_codec
 from .base import Aggregation, Codec, Payload, check_input
 
 
@@ -65,7 +65,7 @@ class _Cast(Codec):
         return tensors[0]
 
 
-@register("none")
+@register_codec("none")
 @dataclasses.dataclass(frozen=True)
 class NoCompression(_Cast):
     """Identity: sends the tensor as it is (fp32 for float32 gradients)."""
@@ -73,7 +73,7 @@ class NoCompression(_Cast):
     exact = True
 
 
-@register("fp16")
+@register_codec("fp16")
 @dataclasses.dataclass(frozen=True)
 class Float16(_Cast):
     """IEEE half precision: 2 bytes per element, round to nearest."""
@@ -81,7 +81,7 @@ class Float16(_Cast):
     wire_dtype = torch.float16
 
 
-@register("bf16")
+@register_codec("bf16")
 @dataclasses.dataclass(frozen=True)
 class BFloat16(_Cast):
     """bfloat16: 2 bytes per element, float32's exponent range, round to nearest."""

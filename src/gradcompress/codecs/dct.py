@@ -34,7 +34,7 @@ from typing import cast
 
 import torch
 
-from ..spec import Range, option, register
+from ..spec import Range, option, register_codec
 from .base import Aggregation, Codec, Payload, check_input, in_range
 
 
@@ -112,7 +112,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@register("dct")
+@register_codec("dct")
 @dataclasses.dataclass(frozen=True)
 class ChunkedDCTTopK(Codec):
     """Per chunk, the ``topk`` largest DCT coefficients and their positions (see the module documentation).

@@ -26,7 +26,7 @@ When the fast path is taken: :func:`enabled` (the environment variable
 ``GRADCOMPRESS_FAST=0`` turns it off, :func:`set_enabled` / :func:`use` override it), the
 tensor is on the CPU and has at least :data:`MIN_NUMEL` elements (and fewer than 2**31),
 and the library could be built. It is compiled (about a second; any C++17 compiler,
-``$CXX`` or ``c++``) by :func:`build`, which a :class:`gradcompress.Compressor` calls when it
+``$CXX`` or ``c++``) by :func:`build_kernels`, which a :class:`gradcompress.Compressor` calls when it
 is constructed on a machine without CUDA — before training, not inside a step while other
 ranks wait — or else at the first large encode. Without a compiler, or when the build
 fails, every codec stays on the reference path and one warning says why. Other devices
@@ -110,7 +110,7 @@ def applies(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FAST_DTYPES) -> b
             and enabled() and library() is not None)
 
 
-def available() -> bool:
+def kernels_available() -> bool:
     """True when the library is built and loaded (builds it if needed)."""
     return library() is not None
 
@@ -126,7 +126,7 @@ def _build(cxx: str) -> Path:
     return build_library(cxx, SOURCE)
 
 
-def build() -> ctypes.CDLL:
+def build_kernels() -> ctypes.CDLL:
     """Build (or find in the cache) and load the kernel library now; ``RuntimeError`` saying why if it cannot.
 
     Call it before training (a :class:`gradcompress.Compressor` does on machines without
@@ -136,6 +136,10 @@ def build() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"gradcompress: fast codec kernels unavailable: {_failure}")
     return lib
+
+
+#: the former name of :func:`build_kernels` (``gradcompress.codecs.fast.build()``), kept for the callers of it
+build = build_kernels
 
 
 def prepare() -> None:
@@ -171,9 +175,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def _kernels() -> ctypes.CDLL:
-    """The loaded library, for a kernel call (its caller checked :func:`applies` or :func:`available`):
-    :func:`build`, ``RuntimeError`` saying why when there is none."""
-    return build()
+    """The loaded library, for a kernel call (its caller checked :func:`applies` or :func:`kernels_available`):
+    :func:`build_kernels`, ``RuntimeError`` saying why when there is none."""
+    return build_kernels()
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from ..spec import Range, option, register
+from ..spec import Range, option, register_codec
 from . import fast
 from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator
 
@@ -75,7 +75,7 @@ def product(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (q.T.contiguous() @ mat.T).T.contiguous()
 
 
-@register("powersgd")
+@register_codec("powersgd")
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Codec):
     """Rank-``rank`` PowerSGD factors; see the module docstring for what is sent and when to use it."""

@@ -38,7 +38,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 def _fast_ok(t: torch.Tensor, n: int) -> bool:
     from . import fast  # late: loading the kernels is deferred to first use
 
-    return t.device.type == "cpu" and fast.MIN_NUMEL <= n < 2**31 and fast.enabled() and fast.available()
+    return t.device.type == "cpu" and fast.MIN_NUMEL <= n < 2**31 and fast.enabled() and fast.kernels_available()
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

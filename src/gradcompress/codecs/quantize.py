@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .packing import pack, unpack
-from ..spec import Range, option, register
+from ..spec import Range, option, register_codec
 from . import fast
 from .base import Aggregation, Codec, Payload, fresh_seed, generator
 
@@ -91,7 +91,7 @@ def uniform_noise(shape: torch.Size | tuple[int, ...], seed: int, device: torch.
     return torch.rand(shape, generator=generator(seed, device), device=device)
 
 
-def packed_nbytes(numel: int, bits: int, bucket: int) -> int:
+def quantized_nbytes(numel: int, bits: int, bucket: int) -> int:
     """Bytes of ``numel`` codes of ``bits`` bits packed whole-byte (int16 above 8 bits) + a float32 per bucket."""
     codes = 2 * numel if bits > 8 else -(-numel * bits // 8)
     return codes + 4 * -(-numel // bucket)
@@ -283,7 +283,7 @@ class _Uniform(Bucketed):
         return self.stochastic
 
     def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
-        return packed_nbytes(numel, self.bits, self.bucket)
+        return quantized_nbytes(numel, self.bits, self.bucket)
 
     @property
     def qmax(self) -> int:
@@ -327,7 +327,7 @@ class _Uniform(Bucketed):
         return rescale(y, scale, self.bucket, numel)
 
 
-@register("int8")
+@register_codec("int8")
 @dataclasses.dataclass(frozen=True)
 class Int8(_Uniform):
     """int8 codes in [-127, 127] + one float32 scale per bucket: about 1.008 bytes per element.
@@ -339,7 +339,7 @@ class Int8(_Uniform):
     bits = 8
 
 
-@register("int4")
+@register_codec("int4")
 @dataclasses.dataclass(frozen=True)
 class Int4(_Uniform):
     """int4 codes in [-7, 7], packed two per byte, + one float32 scale per bucket (~0.508 B/element).
@@ -350,7 +350,7 @@ class Int4(_Uniform):
     bits = 4
 
 
-@register("qsgd")
+@register_codec("qsgd")
 @dataclasses.dataclass(frozen=True)
 class QSGD(Bucketed):
     """QSGD (Alistarh et al., 2017): per bucket the L2 norm, and per element sign and level.
@@ -373,7 +373,7 @@ class QSGD(Bucketed):
         return max(1, math.ceil(math.log2(2 * self.levels + 1)))
 
     def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
-        return packed_nbytes(numel, self.bits, self.bucket)
+        return quantized_nbytes(numel, self.bits, self.bucket)
 
     def kernel(self) -> tuple[int, int, int, bool] | None:
         return (fast.QSGD, self.bits, self.levels, True) if self.bits <= 8 and (
@@ -409,7 +409,7 @@ class QSGD(Bucketed):
         return rescale(y, (norm / self.levels), self.bucket, numel)
 
 
-@register("terngrad")
+@register_codec("terngrad")
 @dataclasses.dataclass(frozen=True)
 class TernGrad(Bucketed):
     """TernGrad (Wen et al., 2017): per bucket a float32 scale max|x|, per element {-1, 0, +1} in 2 bits.
@@ -425,7 +425,7 @@ class TernGrad(Bucketed):
     unbiased = True
 
     def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
-        return packed_nbytes(numel, 2, self.bucket)
+        return quantized_nbytes(numel, 2, self.bucket)
 
     bits = 2
 
@@ -475,7 +475,7 @@ def two_level_magnitudes(xb: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.
     return high, torch.stack(levels, dim=1) + poison[:, None]
 
 
-@register("int2")
+@register_codec("int2")
 @dataclasses.dataclass(frozen=True)
 class Int2(Codec):
     """2-bit codes (a sign bit and a magnitude bit) + two float32 magnitudes per bucket: ~0.27 B/element.

@@ -16,20 +16,20 @@ import dataclasses
 import torch
 
 from .packing import pack, unpack
-from ..spec import Range, option, register
+from ..spec import Range, option, register_codec
 from . import fast
 from .base import Aggregation
-from .quantize import Bucketed, packed_nbytes, rescale, to_buckets
+from .quantize import Bucketed, quantized_nbytes, rescale, to_buckets
 
 
-@register("sign")
+@register_codec("sign")
 @dataclasses.dataclass(frozen=True)
 class Sign(Bucketed):
     bucket: int = option(512, range=Range(1, None), doc="elements per scale")
     aggregation = Aggregation.REQUANTIZE
 
     def payload_nbytes(self, numel: int, shape: tuple[int, ...] | None = None) -> int:
-        return packed_nbytes(numel, 1, self.bucket)
+        return quantized_nbytes(numel, 1, self.bucket)
 
     bits = 1
 

@@ -142,7 +142,7 @@ class DeMo(ExchangingOptimizer):
                  process_group: dist.ProcessGroup | None = None, topology: TopologyOption = "flat",
                  values: Spec | None = None, manager: Manager | None = None) -> None:
         refuse_manager(type(self).__name__, manager)
-        topology_mod.check(topology, "none")
+        topology_mod.check_topology(topology, "none")
         _check_group(lr, momentum_decay, weight_decay, sign)
         self.codec = demo_codec(chunk, topk, values)
         defaults = dict(lr=lr, momentum_decay=momentum_decay, weight_decay=weight_decay, sign=sign)

@@ -255,8 +255,8 @@ class DiLoCo:
         # model sharded natively over a 2-D mesh is made to reduce within its shards (checked before: a refused
         # DiLoCo leaves it as it was)
         model = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
-        self.params, process_group, self.shards = diloco_shards.resolve(params, process_group, mesh, manager,
-                                                                        model)
+        self.params, process_group, self.shards = diloco_shards.resolve_shards(params, process_group, mesh,
+                                                                               manager, model)
         self.quorum = diloco_quorum.Replicas(manager)
         alone = manager is None and process_group is None and default_group() is None  # refused below
         if self.schedule.delay > 0 and manager is None and not alone:
@@ -485,7 +485,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: the checkpoint was saved with fragments={stream['fragments']}, "
                              f"delay={stream['delay']}; this DiLoCo has fragments={fragments}, "
                              f"delay={delay}; resume with the same")
-        diloco_shards.check(self.shards, state.get("shards"))
+        diloco_shards.check_shards(self.shards, state.get("shards"))
         self.outer_step.load(state["anchor"], state["outer"])
         self.inner.load_state_dict(state["inner"])
         for comp, saved in zip(self.exchange.compressors, stream.get("compressors", [state["compressor"]])):

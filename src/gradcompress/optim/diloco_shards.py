@@ -89,7 +89,7 @@ class Shards:
             "local_shapes": [list(p.to_local().shape) for p in params]}
 
 
-def check(shards: Shards | None, saved: dict | None) -> None:
+def check_shards(shards: Shards | None, saved: dict | None) -> None:
     """A checkpoint's layout (``state["shards"]``, None when saved unsharded) against this DiLoCo's (None:
     unsharded): ``ValueError`` when it was saved with other shards (another mesh position, sharding or model), or
     sharded where this is not (or the reverse)."""
@@ -105,7 +105,7 @@ def check(shards: Shards | None, saved: dict | None) -> None:
                              f"here {mine}); resume each rank from its own file, with the same mesh and sharding")
 
 
-def resolve(params: Sequence[torch.Tensor], process_group: Any, mesh: DeviceMesh | None,
+def resolve_shards(params: Sequence[torch.Tensor], process_group: Any, mesh: DeviceMesh | None,
             manager: Any, model: Any = None) -> tuple[Sequence[torch.Tensor], Any, Shards | None]:
     """(the tensors DiLoCo syncs, its group, the layout or None). Plain parameters: returned as they are (``mesh=``
     refused). DTensor parameters: their local shards (:class:`LocalShards`), the replicate group
@@ -218,4 +218,4 @@ def _check_peers(params: list[DTensor], own: DeviceMesh, group: Any) -> None:
                          "the same model over a mesh of the same shape")
 
 
-__all__ = ["LocalShards", "Shards", "check", "resolve"]
+__all__ = ["LocalShards", "Shards", "check_shards", "resolve_shards"]

@@ -223,7 +223,7 @@ class CompressedAdam(ExchangingOptimizer):
                  manager: Manager | None = None) -> None:
         who = type(self).__name__
         refuse_manager(who, manager)
-        topology_mod.check(topology, "none")
+        topology_mod.check_topology(topology, "none")
         check_hyperparameters(lr, betas, eps, weight_decay, warmup_steps, who)
         self.codec = momentum_codec(codec, who)
         self.sync_every, self.sync_ramp_steps = check_schedule(sync_every, sync_ramp_steps, who)

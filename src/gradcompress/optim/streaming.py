@@ -45,7 +45,7 @@ def due(step: int, fragment: int, fragments: int, sync_every: int) -> bool:
     return step >= sync_every + at and (step - at) % sync_every == 0
 
 
-def check(fragments: int, delay: int, mix: float | None, sync_every: int, layers: int,
+def check_streaming_options(fragments: int, delay: int, mix: float | None, sync_every: int, layers: int,
           model: bool = True) -> tuple[int, int, float]:
     """The streaming options, validated: ``ValueError`` naming the option and what is allowed. ``layers``: how many
     the model has (``model``; else the parameters were given as a list, each its own layer)."""
@@ -71,14 +71,15 @@ def check(fragments: int, delay: int, mix: float | None, sync_every: int, layers
 
 class Schedule:
     """When to sync which fragment (DiLoCo's ``sync_every``, ``fragments``, ``delay`` and ``mix``, checked by
-    :func:`check`): the parameters' ``parts`` (positions by fragment, from ``layers``), the inner ``steps`` counted,
+    :func:`check_streaming_options`): the parameters' ``parts`` (positions by fragment, from ``layers``), the inner ``steps`` counted,
     which fragments are sent or applied after a step. Also the schedule as a torchft quorum sees it
     (:func:`gradcompress.quorum.under`'s ``schedule``: :meth:`position` and :meth:`agree`)."""
 
     def __init__(self, sync_every: int, fragments: int, delay: int, mix: float | None, layers: list[list[int]],
                  model: bool = True) -> None:
         self.sync_every = int(sync_every)
-        self.fragments, self.delay, self.mix = check(fragments, delay, mix, self.sync_every, len(layers), model)
+        self.fragments, self.delay, self.mix = check_streaming_options(fragments, delay, mix, self.sync_every,
+                                                                       len(layers), model)
         self.parts = fragments_of(layers, self.fragments)
         self.steps = 0  # inner steps
         self.sent_at = 0  # the inner step of the latest send (its position in the schedule)
@@ -166,4 +167,4 @@ def done(value: bool) -> concurrent.futures.Future:
     return f
 
 
-__all__ = ["Courier", "InFlight", "Schedule", "check", "done", "due", "fragments_of", "layers_of", "offset"]
+__all__ = ["Courier", "InFlight", "Schedule", "check_streaming_options", "done", "due", "fragments_of", "layers_of", "offset"]

@@ -6,7 +6,7 @@ process (one torchft replica group of one worker): a real ``torchft.Manager`` ta
 ``OptimizerWrapper``; it writes one JSON line per step (:func:`replica_main`). A replica can SIGKILL itself at a
 chosen step (``kill_at``) or inside its exchange, after the first collective round (``kill_in_exchange``);
 :class:`Scenario` starts replicas, restarts one and reads the log; :func:`kill_and_restart` is the standard
-scenario and :func:`summarize` what it showed. Run one replica: ``python -m gradcompress.testbed.faults '<json>'``.
+scenario and :func:`summarize_scenario` what it showed. Run one replica: ``python -m gradcompress.testbed.faults '<json>'``.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def killed_at(where: str) -> float | None:
     return float(open(path).read()) if os.path.exists(path) else None
 
 
-def summarize(rows: list[dict], replicas: int, killed: float | None = None) -> dict:
+def summarize_scenario(rows: list[dict], replicas: int, killed: float | None = None) -> dict:
     """What a scenario showed: each replica's committed steps, the quorum size per committed step (replica 0's
     view), whether every replica ended with the same parameters, the final loss and accuracy, the rows not
     committed, and ``stall_seconds``: from the kill (``killed``, :func:`killed_at`) to replica 0's first commit of a

@@ -480,7 +480,7 @@ def _bucket_count(cfg: dict, model, net, h: int) -> int:
     return len([s for s in sizes.split(",") if s.strip()])
 
 
-def _setup(cfg: dict, model, text: str | None):  # (given a str: None once split() reads a baseline)
+def _setup(cfg: dict, model, text: str | None):  # (given a str: None once split_fsdp_scheme() reads a baseline)
     """(net, optimizer, Compressor or None) of scheme ``text`` on ``model``: ``ddp-nosend`` here, every other scheme
     by :func:`gradcompress.factory.build`, with plain SGD (lr 1e-3) and our Compressor's ``warmup_steps=2``,
     ``seed=0``."""
@@ -490,7 +490,7 @@ def _setup(cfg: dict, model, text: str | None):  # (given a str: None once split
         return _nosend(model)
     fsdp, per_node, params = bool(cfg.get("fsdp")), 0, None
     if fsdp and cfg.get("workers_per_node", 1) > 1:  # FSDP on nodes: a codec with layout= and params= (netbench_fsdp)
-        text, layout, params = netbench_fsdp.split(cast(str, text))
+        text, layout, params = netbench_fsdp.split_fsdp_scheme(cast(str, text))
         per_node = cfg["workers_per_node"] if layout == "hsdp" else 0
     scheme = None if text is None or (fsdp and text == FSDP_BASELINE) else parse_scheme(text)
     options = {"warmup_steps": COMPRESSOR_WARMUP, "seed": 0, **({} if scheme is None else scheme.compressor)}

@@ -10,7 +10,7 @@ inside the node, the codec between) and ``params=int8|bf16`` (the parameter all-
 nowhere — gradients and parameters together, as the link carries them — with the Compressor's gradient
 (``inter_node_bytes``) and parameter (``param_bytes``) counters beside, and the ratios to dense FSDP and dense HSDP.
 
-:func:`split` reads such a scheme; :func:`gradcompress.factory.build` sets it up (``Run(fsdp=True, per_node=G)`` for
+:func:`split_fsdp_scheme` reads such a scheme; :func:`gradcompress.factory.build` sets it up (``Run(fsdp=True, per_node=G)`` for
 ``layout=hsdp``), the netbench runner (:mod:`gradcompress.testbed.netbench`) times it and the command line
 (:mod:`gradcompress.cli.netbench`) prints the table.
 """
@@ -28,7 +28,7 @@ NODE_FSDP_SCHEMES = ("fsdp", "hsdp", "int8:layout=hsdp", "int4:layout=hsdp", "si
                      "int4:params=int8", "none:params=int8")
 
 
-def split(text: str) -> tuple[str | None, str, str | None]:
+def split_fsdp_scheme(text: str) -> tuple[str | None, str, str | None]:
     """(codec spec or None for a baseline, layout, params) of a scheme; ``ValueError`` naming what is allowed."""
     text = text.strip()
     if text in BASELINES:
@@ -52,4 +52,4 @@ def has_options(text: str) -> bool:
     return bool(take_options(text, OPTIONS)[1])
 
 
-__all__ = ["BASELINES", "LAYOUTS", "NODE_FSDP_SCHEMES", "has_options", "split"]
+__all__ = ["BASELINES", "LAYOUTS", "NODE_FSDP_SCHEMES", "has_options", "split_fsdp_scheme"]

@@ -191,7 +191,7 @@ def fsdp_bytes(compressors: list[Compressor], hsdp: bool, world: int | None = No
                      lambda steps: sum(dense_bytes(c, hsdp, world) for c in compressors))
 
 
-def describe(step: int, scheme: str, metrics: dict[str, float]) -> str:
+def step_log_line(step: int, scheme: str, metrics: dict[str, float]) -> str:
     """The step log's gradcompress line (DiLoCo before its first sync: nothing sent yet)."""
     if not metrics["gradcompress/bytes_per_step"]:
         return f"gradcompress {scheme}: step {step:2}  nothing sent yet"
@@ -237,11 +237,11 @@ class GradcompressMixin:
         self._log_bytes(config.gradcompress, config.dump_folder, counter)
 
     def init_distributed(self) -> Any:
-        """The trainer's own; under torchtitan's FT trainer :func:`.ft.prepare` follows (it built its
+        """The trainer's own; under torchtitan's FT trainer :func:`.ft.prepare_trainer` follows (it built its
         ``TorchFTManager`` there, before the model and the optimizers)."""
         dims = super().init_distributed()  # type: ignore[misc]  # a mixin: the Trainer's at run time
         if ft.manager(self) is not None and self.config.gradcompress.scheme != NONE:
-            ft.prepare(self, diloco=diloco_scheme(self.config.gradcompress.scheme) is not None)
+            ft.prepare_trainer(self, diloco=diloco_scheme(self.config.gradcompress.scheme) is not None)
         return dims
 
     def _log_bytes(self, section: GradcompressConfig, dump_folder: str, counter: StepBytes | None) -> None:
@@ -257,7 +257,7 @@ class GradcompressMixin:
             ours = counter.read(step) if counter is not None else {}
             torchtitan_log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **ours})
             if ours:
-                logger.info(describe(step, section.scheme, ours))
+                logger.info(step_log_line(step, section.scheme, ours))
             if path is not None and dist.get_rank() == 0:
                 write_stats(path, {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm,
                                    "scheme": section.scheme, **ours})

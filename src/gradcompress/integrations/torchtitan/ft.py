@@ -9,7 +9,7 @@
 
 one torchrun per replica group (K = 0 .. R-1). torchtitan's ``FaultTolerantTrainer`` builds one torchft ``Manager``
 per process (``experiments/torchft/manager.py``, ``TorchFTManager``) and shards the model with FSDP over the
-group's own 1-D mesh. What gradcompress changes there (:class:`GradcompressMixin` calls :func:`prepare` from the
+group's own 1-D mesh. What gradcompress changes there (:class:`GradcompressMixin` calls :func:`prepare_trainer` from the
 trainer's ``init_distributed``, then :func:`attach_state` at the end of its construction):
 
 * a codec spec: :func:`gradcompress.register_fsdp` with ``manager=`` replaces torchtitan's cross-group all-reduce
@@ -47,7 +47,7 @@ def section(config: Any) -> Any:
     return getattr(config, "fault_tolerance", None)
 
 
-def enabled(config: Any) -> bool:
+def fault_tolerance_enabled(config: Any) -> bool:
     ft = section(config)
     return ft is not None and bool(ft.enable)
 
@@ -63,7 +63,7 @@ def clear_semi_sync(config: Any) -> None:
 
 def check_config(spec: str, scheme: Scheme | None, config: Any) -> None:
     """``ValueError`` for a gradcompress scheme that cannot run under torchtitan's FT trainer (parse time)."""
-    if not enabled(config) or spec == "none":
+    if not fault_tolerance_enabled(config) or spec == "none":
         return
     ft = section(config)
     if ft.semi_sync_method is not None:
@@ -91,7 +91,7 @@ def parallelism_degree(config: Any) -> int:
             * p.expert_parallel_degree)
 
 
-def prepare(trainer: Any, diloco: bool) -> None:
+def prepare_trainer(trainer: Any, diloco: bool) -> None:
     """Called right after the FT trainer built its ``TorchFTManager`` (``init_distributed``), before the model, the
     optimizers and the all-reduce hook: under DiLoCo the trainer behaves as under torchtitan's own semi-sync
     methods (no per-step quorum in the optimizer wrapper, no all-reduce hook, no cross-group loss all-reduce)."""
@@ -172,5 +172,5 @@ def attach_state(trainer: Any, with_model: bool, log: Callable[[str], None]) -> 
     ft.register_state_dict_fn(STATE_KEY, load, save)
 
 
-__all__ = ["EXPERIMENT_REGISTRIES", "attach_state", "check_config", "clear_semi_sync", "enabled", "manager",
-           "prepare", "section"]
+__all__ = ["EXPERIMENT_REGISTRIES", "attach_state", "check_config", "clear_semi_sync",
+           "fault_tolerance_enabled", "manager", "prepare_trainer", "section"]
