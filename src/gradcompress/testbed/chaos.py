@@ -276,7 +276,7 @@ class Forked:
 def _serve_lighthouse(cfg: dict) -> str:
     from ..integrations.torchft import Lighthouse
 
-    lighthouse = Lighthouse(min_replicas=1, host=cfg["host"], heartbeat_timeout_ms=cfg["heartbeat_ms"],
+    lighthouse = Lighthouse(min_replicas=2, host=cfg["host"], heartbeat_timeout_ms=cfg["heartbeat_ms"],
                             join_timeout_ms=100)
     _serve_lighthouse.kept = lighthouse  # type: ignore[attr-defined]  # a function attribute: lives as long as this process
     path = os.path.join(cfg["dir"], "lighthouse")
@@ -353,7 +353,9 @@ def run_family(where: str, spec: str, kills: list[tuple[int, int]], *, kind: str
     Returns :func:`verdict` of its log, with the exit codes and the seconds it took. ``mode``: ``ddp``,
     ``diloco`` (``sync_every``: H; the exchange is the outer sync) or ``streaming`` (:data:`STREAMING`: the kills
     land in fragment 0's exchange, run by the courier thread, or after its apply; a row per apply of fragment 0)."""
-    s = faults.Scenario(where, 1 if mode == "ddp" else 2, command=SELF, heartbeat_ms=heartbeat_ms, join_ms=100,
+    # at least 2 replicas a quorum: of 3 (2 survivors, 1 standby) two quorums of one step cannot both form (with 1,
+    # a replica that comes late trains that step alone: two results of one step, seen under load)
+    s = faults.Scenario(where, 2, command=SELF, heartbeat_ms=heartbeat_ms, join_ms=100,
                         limit=limit, spec=spec, mode=mode, sync_every=sync_every, timeout=5, quorum_timeout=60,
                         pg_timeout=3)
     start = time.time()
