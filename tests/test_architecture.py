@@ -86,7 +86,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 #: prefix listed). The root package (public names) sits above the library it re-exports, below the testbed and CLI.
 LAYERS = [
     ["gradcompress.units"],
-    ["gradcompress.spec", "gradcompress.spec_options"],
+    ["gradcompress.spec", "gradcompress.spec_options", "gradcompress.spec_values"],
     ["gradcompress.codecs"],
     ["gradcompress.clocks", "gradcompress.collectives", "gradcompress.params", "gradcompress.topology",
      "gradcompress.scheme"],
@@ -297,7 +297,7 @@ def test_the_optimizers_are_parts_you_can_read():
 
 #: modules over 600 lines when the cap below was written, each with its count then: at most that (they may only
 #: shrink; one split under 600 leaves the list)
-LONG_MODULES = {"spec.py": 678}
+LONG_MODULES: dict[str, int] = {}
 
 
 def test_no_module_is_over_600_lines():
@@ -406,9 +406,9 @@ def test_spec_text_is_read_in_one_module():
 
 
 def test_the_specs_values_are_small():
-    """Every class of the spec's home and of config.py (``Scheme``, ``Auto``, ``Config``, ...) sets at most 12
-    attributes."""
-    big = [f"{name}:{cls.name} ({_attributes_set(cls)})" for name in (SPEC_HOME, "config.py")
+    """Every class of the spec's home, of the values it reads specs into (spec_values.py) and of config.py
+    (``Scheme``, ``Auto``, ``Config``, ...) sets at most 12 attributes."""
+    big = [f"{name}:{cls.name} ({_attributes_set(cls)})" for name in (SPEC_HOME, "spec_values.py", "config.py")
            for cls in ast.walk(ast.parse((ROOT / name).read_text()))
            if isinstance(cls, ast.ClassDef) and _attributes_set(cls) > 12]
     assert big == []
