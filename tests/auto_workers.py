@@ -1,4 +1,4 @@
-"""Worker functions of tests/test_auto.py (module level: they are pickled into gloo worker processes)."""
+"""Worker functions of tests/test_auto.py and tests/test_auto_processes.py (module level: they are pickled into gloo worker processes)."""
 
 from __future__ import annotations
 
