@@ -306,6 +306,14 @@ def test_no_module_is_over_600_lines():
     assert set(long) <= set(LONG_MODULES) and all(n <= LONG_MODULES[name] for name, n in long.items()), long
 
 
+def test_no_test_benchmark_or_example_file_is_over_600_lines():
+    """The same cap for the Python files around the package: tests/, benchmarks/ (with docgen/), examples/."""
+    repo = ROOT.parents[1]
+    long = {str(p.relative_to(repo)): n for folder in ("tests", "benchmarks", "examples")
+            for p in (repo / folder).rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}, long
+
+
 def test_the_step_keeps_its_transaction_and_builds_its_context_whole():
     """Every class of step.py, terms.py and the exchanges sets at most 12 attributes (the Step keeps its transaction;
     what it saw and measured is kept by terms.Recorder); no module but exchanges/context.py assigns an attribute of a
