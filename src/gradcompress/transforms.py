@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from .codecs.base import Aggregation, Codec, Payload
+from .codecs.base import Aggregation, Codec, Payload, SizedEncode
 from .codecs.fast import RESIDUAL_DTYPES
 from .exchanges.layout import chunk_numel, decode_chunks, split_chunks
 
@@ -263,6 +263,20 @@ class Transforms:
         else:
             self.delivered(key, x, lambda: codec.decode(payloads[0]).float())
         return payloads
+
+    def encode_sized(self, codec: Codec, key: Hashable, x: torch.Tensor, seed: int) -> SizedEncode:
+        """:meth:`encode` of ``x`` whole (one part, ``GATHER``) in two halves (:data:`~.codecs.base.SizedEncode`): the
+        codec's payload sizes are read by the exchange with every other tensor's; the same payload and state."""
+        if not self.fuses(Aggregation.GATHER):
+            payload = yield from codec.encode_sized(x, seed=seed)
+            self.delivered(key, x, lambda: codec.decode(payload).float())
+            return payload
+        residual = _fits(self.ctx.old("residual", key), x)
+        out = self.ctx.new_residual(key, x)
+        rs = None if residual is None else residual.reshape(-1)
+        payload = yield from codec.encode_feedback_sized(x.reshape(-1), rs, seed=seed, out=out.view(-1))
+        self.ctx.put("residual", key, out)
+        return payload
 
     def encode_fed(self, codec: Codec, key: Hashable, x: torch.Tensor, seeds: list[int], parts: int) -> list[Payload]:
         """Worker error feedback fused into the encode: ``x`` + the committed residual cut into ``parts`` chunks,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -169,6 +169,23 @@ def fresh_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+#: an encode in two halves, for an exchange that reads the payload sizes of all its tensors with one host read: a
+#: generator that returns the payload at once, or first yields (numbers: a 1-D int64 tensor on the device, the
+#: element count of each payload tensor first, then any numbers of the codec's own; the payload tensors' dtypes),
+#: is sent those numbers read on the host (a list of ints), then returns the payload
+SizedEncode = Generator[tuple[torch.Tensor, tuple[torch.dtype, ...]], list[int], "Payload"]
+
+
+def run_sized(encode: SizedEncode) -> Payload:
+    """A two-half encode (:data:`SizedEncode`) run on its own: its numbers, if it asks, read at once."""
+    try:
+        numbers, _ = next(encode)
+        encode.send(numbers.tolist())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    raise RuntimeError("a two-half encode did not return its payload once sent its counts")
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """The base class of codecs: ``encode(x, seed=) -> Payload`` and ``decode(payload) -> Tensor``, nothing sent.
@@ -283,6 +300,12 @@ class Codec:
         tensors = self._encode(flat, seed) if flat.numel() else ()
         return Payload(tuple(tensors), x.shape, x.dtype, seed, x.device)
 
+    def encode_sized(self, x: torch.Tensor, *, seed: int | None = None) -> SizedEncode:
+        """:meth:`encode` in two halves (:data:`SizedEncode`), for an exchange that reads the payload sizes of all its
+        tensors at once. Here: the payload at once (its sizes are known on the host)."""
+        yield from ()
+        return self.encode(x, seed=seed)
+
     def decode(self, payload: Payload) -> torch.Tensor:
         n = payload.numel
         if n == 0:
@@ -318,6 +341,12 @@ class Codec:
         payload = self.encode(y, seed=seed)
         torch.sub(y, self.decode(payload).reshape(y.shape).to(y.dtype), out=out)
         return payload
+
+    def encode_feedback_sized(self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int | None = None,
+                              out: torch.Tensor) -> SizedEncode:
+        """:meth:`encode_feedback` in two halves (:data:`SizedEncode`). Here: the payload at once."""
+        yield from ()
+        return self.encode_feedback(x, residual, seed=seed, out=out)
 
     # ----------------------------------------------------------------- declared capabilities
     def slices_by_bucket(self) -> bool:

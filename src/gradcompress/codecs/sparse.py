@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -29,9 +29,11 @@ import torch
 from ..spec import Range, option, register
 from . import fast
 from .packing import pack, packed_nbytes, unpack
-from .base import Aggregation, Codec, Payload, check_input, fresh_seed, generator, in_range
+from .base import Aggregation, Codec, Payload, SizedEncode, check_input, fresh_seed, generator, in_range, run_sized
 
 _RATIO = Range(0, 1, lo_open=True)
+#: a selection in two halves: (numbers on the device, the number kept first; the positions, given them read)
+Prepared = tuple[torch.Tensor, Callable[[list[int]], torch.Tensor]]
 #: DGC's sparsity warm-up densities, one per stage
 DGC_STAGES = (0.25, 0.0625, 0.015625, 0.00390625)
 
@@ -129,11 +131,37 @@ class _Sparse(Codec):
         values = 4 * k if self.values is None else self.values.payload_nbytes(k)
         return values + 4 * k
 
-    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
-        idx = self._select(flat, seed)
+    def _prepare(self, flat: torch.Tensor, seed: int | None) -> Prepared | None:
+        """The selection in two halves where torch makes it and its size depends on the data (:data:`Prepared`:
+        the number kept, and any other the positions need, counted on the device without a host read). None: the
+        positions are found at once (a fixed number of them, or the CPU's fused kernels, which read on the host)."""
+        return None
+
+    def _tensors(self, flat: torch.Tensor, idx: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
+        """The payload tensors of the positions ``idx``: their values (or the ``values`` codec's payload of them), then
+        the positions as int32."""
         vals = flat.index_select(0, idx)  # int32 positions as they are (flat[idx] would copy them to int64)
         head = (vals,) if self.values is None else self.values.encode(vals, seed=seed).tensors
         return (*head, idx.to(torch.int32))
+
+    def _encode(self, flat: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, ...]:
+        return self._tensors(flat, self._select(flat, seed), seed)
+
+    def encode_sized(self, x: torch.Tensor, *, seed: int | None = None) -> SizedEncode:
+        """:meth:`encode` in two halves where the number kept depends on the data (``threshold``, ``dgc``, on the
+        torch path, values as they are): the selection is counted on the device, the exchange reads that count with
+        every other tensor's at once, then the positions are taken (the same payload as :meth:`encode`)."""
+        prepared = None
+        if self.values is None and isinstance(x, torch.Tensor) and x.numel() and x.is_contiguous() \
+                and (seed is not None or not self.stochastic):
+            check_input(x, self.name)
+            prepared = self._prepare(x.reshape(-1), seed)
+        if prepared is None:
+            return (yield from super().encode_sized(x, seed=seed))
+        flat = x.reshape(-1)
+        numbers, positions = prepared
+        read = yield torch.cat([numbers[:1], numbers]), (flat.dtype, torch.int32)
+        return Payload(self._tensors(flat, positions(read[1:]), seed), x.shape, x.dtype, seed, x.device)
 
     def _kept(self, tensors: tuple[torch.Tensor, ...], seed: int | None,
               numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,15 +183,21 @@ class _Sparse(Codec):
                         out: torch.Tensor) -> Payload:
         """y = x + residual written into ``out`` once; the selection reads it there; then only the k kept
         entries change (y - their decoded values): O(k) instead of a dense decode and a subtraction."""
+        return run_sized(self.encode_feedback_sized(x, residual, seed=seed, out=out))
+
+    def encode_feedback_sized(self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int | None = None,
+                              out: torch.Tensor) -> SizedEncode:
+        """:meth:`encode_feedback` in two halves (the encode's, :meth:`encode_sized`)."""
         flat = out.view(-1) if out.is_contiguous() else None
         if (flat is None or out.dtype != torch.float32 or x.dtype != torch.float32
                 or (residual is not None and residual.dtype != torch.float32)):
-            return super().encode_feedback(x, residual, seed=seed, out=out)
+            yield from ()
+            return super().encode_feedback(x, residual, seed=seed, out=out)  # the reference
         if residual is not None:
             torch.add(x.reshape(-1), residual.reshape(-1), out=flat)
         elif flat.data_ptr() != x.data_ptr():
             flat.copy_(x.reshape(-1))
-        payload = self.encode(out.view(x.shape), seed=seed)
+        payload = yield from self.encode_sized(out.view(x.shape), seed=seed)
         if payload.tensors:
             idx, vals = self._kept(payload.tensors, payload.seed, payload.numel)
             flat.index_put_((idx,), flat.index_select(0, idx) - vals)
@@ -269,10 +303,18 @@ class Threshold(_Sparse):
     value: float = option(1e-3, range=Range(0, None), doc="magnitude threshold")
     fixed_layout = False
 
-    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+    def _prepare(self, flat: torch.Tensor, seed: int | None) -> Prepared | None:
         if fast.applies(flat, (torch.float32,)):  # the comparison is in the input's dtype: float32 only
+            return None
+        kept = ~(flat.abs() < self.value)  # ~(<) keeps NaN
+        return kept.sum().reshape(1), lambda read: torch.nonzero_static(kept, size=read[0]).reshape(-1)
+
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+        prepared = self._prepare(flat, seed)
+        if prepared is None:
             return fast.collect(flat, fast.abs_key(self.value))
-        return torch.nonzero(~(flat.abs() < self.value)).reshape(-1)  # ~(<) keeps NaN
+        numbers, positions = prepared
+        return positions(numbers.tolist())
 
 
 @register("dgc")
@@ -306,30 +348,52 @@ class DGC(_Sparse):
         density = dgc_density(step, self.warmup_steps, self.ratio)
         return self if density == self.ratio else dataclasses.replace(self, ratio=density)
 
-    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
-        seed = cast(int, seed)  # never None: Codec.encode draws one for a stochastic codec
+    def _sample(self, n: int, k: int) -> tuple[int, int]:
+        """(elements sampled, rank of the threshold among them) for ``k`` of ``n``."""
+        m = min(n, max(256, math.ceil(self.sample * n)))
+        return m, min(m, max(1, math.ceil(k * m / n)))
+
+    def _prepare(self, flat: torch.Tensor, seed: int | None) -> Prepared | None:
+        """The torch path's sampled threshold: (the number sent, the number at or above it) counted on the
+        device; the positions then taken with them as :meth:`_select` always did."""
         n = flat.numel()
         k = kept_count(self.ratio, n)
-        use_fast = fast.applies(flat)
-        if use_fast:
-            x32 = fast.as_float32(flat)
-            if k * 2 >= n:
-                return fast.topk_indices(x32, k)
-        m = min(n, max(256, math.ceil(self.sample * n)))
-        kth = min(m, max(1, math.ceil(k * m / n)))
-        if use_fast:  # the same selection; the sample from the seed's counter-based stream
-            return fast.dgc_indices(x32, k, m, kth, seed)
+        if fast.applies(flat) or k * 2 >= n:
+            return None
+        m, kth = self._sample(n, k)
         mag = flat.abs()
-        if k * 2 >= n:
-            return torch.topk(mag, k, sorted=False).indices
+        seed = cast(int, seed)  # never None: Codec.encode draws one for a stochastic codec
         pos = torch.randint(0, n, (m,), generator=generator(seed, flat.device), device=flat.device)
         threshold = torch.topk(mag[pos], kth, sorted=False).values.min()
-        idx = torch.nonzero(~(mag < threshold)).reshape(-1)
-        if idx.numel() > 2 * k:
-            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
-        elif 2 * idx.numel() < k:
-            idx = torch.topk(mag, k, sorted=False).indices
-        return idx
+        above = ~(mag < threshold)
+        count = above.sum()
+        sent = torch.where((count > 2 * k) | (2 * count < k), k, count)
+
+        def positions(read: list[int]) -> torch.Tensor:
+            count = read[1]
+            idx = torch.nonzero_static(above, size=count).reshape(-1)
+            if count > 2 * k:
+                idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
+            elif 2 * count < k:
+                idx = torch.topk(mag, k, sorted=False).indices
+            return idx
+
+        return torch.stack([sent, count]), positions
+
+    def _select(self, flat: torch.Tensor, seed: int | None) -> torch.Tensor:
+        prepared = self._prepare(flat, seed)
+        if prepared is not None:
+            numbers, positions = prepared
+            return positions(numbers.tolist())
+        n = flat.numel()
+        k = kept_count(self.ratio, n)
+        if not fast.applies(flat):
+            return torch.topk(flat.abs(), k, sorted=False).indices
+        x32 = fast.as_float32(flat)
+        if k * 2 >= n:
+            return fast.topk_indices(x32, k)
+        # the same selection; the sample from the seed's counter-based stream
+        return fast.dgc_indices(x32, k, *self._sample(n, k), cast(int, seed))
 
 
 @register("randomk")

@@ -12,38 +12,103 @@ payloads, so every rank finds the same).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
+from typing import cast
 
 import torch
 
-from ..codecs.base import Aggregation, Codec, Payload
+from ..codecs.base import Aggregation, Codec, Payload, SizedEncode, run_sized
 from ..collectives import Collectives, Job, floats, from_bytes, layout, to_bytes
 from .context import Context
 
 #: where one payload's tensors lie in a rank's buffer: (dtype, size) of each
 Layout = list[tuple[torch.dtype, torch.Size]]
+#: what the all-gather returns: this rank's payloads, every rank's byte buffer, their layouts
+Gathered = tuple[list[Payload], list[torch.Tensor], list[list[Layout]]]
 
 
-def _gather(comm: Collectives, codec: Codec, payloads: list[Payload], device: torch.device | None,
-            bad: dict[int, str]) -> Generator[list[object], None, tuple[list[torch.Tensor], list[list[Layout]]]]:
-    """Round(s) of the all-gather: yields works, returns (every rank's byte buffer, their layouts). Announced sizes
-    that do not add up or exceed what the codec sends for the tensor (a garbled or truncated count) are recorded in
-    ``bad`` (rank -> problem) and read as an empty payload."""
-    local = to_bytes([t for p in payloads for t in p.tensors], device)
+def _ready(payload: Payload) -> SizedEncode:
+    """A payload already made, as a two-half encode that returns it at once."""
+    yield from ()
+    return payload
+
+
+def _gather(comm: Collectives, codec: Codec, encodes: list[SizedEncode], device: torch.device | None,
+            bad: dict[int, str]) -> Generator[list[object], None, Gathered]:
+    """Round(s) of the all-gather: yields works, returns (this rank's payloads, every rank's byte buffer, their
+    layouts). Variable sizes: every encode's sizes counted on the device, all-gathered in one tensor and read on the
+    host once, for every rank and tensor, before the encodes that asked for them finish (:data:`SizedEncode`).
+    Announced sizes that do not add up or exceed what the codec sends for the tensor (a garbled or truncated count)
+    are recorded in ``bad`` (rank -> problem) and read as an empty payload."""
     if codec.fixed_layout:
+        payloads = [run_sized(e) for e in encodes]
+        local = to_bytes([t for p in payloads for t in p.tensors], device)
         gathered, work = comm.all_gather(local)
         yield [work]
-        return gathered, [[layout(p.tensors) for p in payloads]] * comm.world
-    counts = torch.tensor([t.numel() for p in payloads for t in p.tensors] + [local.numel()], dtype=torch.int64,
-                          device=local.device)
+        return payloads, gathered, [[layout(p.tensors) for p in payloads]] * comm.world
+    started = [_start(e) for e in encodes]
+    counts, own = _counts(started, device or torch.device("cpu"))
     all_counts, work = comm.all_gather(counts)
     yield [work]
-    layouts = [_announced(c.tolist(), payloads, rank, bad) for rank, c in enumerate(all_counts)]
+    read = torch.cat([own, *all_counts]).tolist()  # the one host read: every rank's sizes, this rank's numbers
+    payloads = _finished(started, read)
+    rows = [read[len(own) + r * len(counts) : len(own) + (r + 1) * len(counts)] for r in range(len(all_counts))]
+    local = to_bytes([t for p in payloads for t in p.tensors], device)
+    layouts = [_announced(row, payloads, rank, bad) for rank, row in enumerate(rows)]
     longest = max(sum(s.numel() * d.itemsize for lay in rank_layout for d, s in lay) for rank_layout in layouts)
     padded = torch.zeros(max(longest, local.numel()), dtype=torch.uint8, device=local.device)
     padded[: local.numel()] = local
     gathered, work = comm.all_gather(padded)
     yield [work]
-    return gathered, layouts
+    return payloads, gathered, layouts
+
+
+#: an encode started: its payload, or (the encode waiting, its numbers on the device, its payload tensors' dtypes)
+Started = Payload | tuple[SizedEncode, torch.Tensor, tuple[torch.dtype, ...]]
+
+
+def _start(encode: SizedEncode) -> Started:
+    """Run an encode to its first half."""
+    try:
+        numbers, dtypes = next(encode)
+    except StopIteration as done:
+        return cast(Payload, done.value)
+    return encode, numbers, dtypes
+
+
+def _counts(started: list[Started], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sizes this rank announces: the element count of each payload tensor, then their bytes in all, as one
+    int64 tensor on the device; the numbers of the encodes that wait, one after the other)."""
+    sizes, itemsizes, own = [], [], []
+    for s in started:
+        if isinstance(s, Payload):
+            sizes.append(torch.tensor([t.numel() for t in s.tensors], dtype=torch.int64, device=device))
+            itemsizes += [t.element_size() for t in s.tensors]
+        else:
+            _, numbers, dtypes = s
+            sizes.append(numbers[: len(dtypes)].to(device))
+            itemsizes += [d.itemsize for d in dtypes]
+            own.append(numbers.to(device))
+    each = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.int64, device=device)
+    total = (each * torch.tensor(itemsizes, dtype=torch.int64, device=device)).sum().reshape(1)
+    return torch.cat([each, total]), (torch.cat(own) if own else each[:0])
+
+
+def _finished(started: list[Started], read: list[int]) -> list[Payload]:
+    """Each encode's payload, the waiting ones sent their numbers (``read`` from the first, in order)."""
+    payloads, at = [], 0
+    for s in started:
+        if isinstance(s, Payload):
+            payloads.append(s)
+            continue
+        encode, numbers, _ = s
+        try:
+            encode.send(read[at : at + numbers.numel()])
+        except StopIteration as done:
+            payloads.append(cast(Payload, done.value))
+        else:
+            raise RuntimeError("a two-half encode did not return its payload once sent its numbers")
+        at += numbers.numel()
+    return payloads
 
 
 def _announced(counts: list[int], payloads: list[Payload], rank: int, bad: dict[int, str]) -> list[Layout]:
@@ -109,23 +174,26 @@ def _add_each(codec: Codec, payloads: list[Payload], gathered: list[torch.Tensor
     valid.extend(_each_valid(f, out.device) for f, out in zip(flags, outs))
 
 
-def gather_mean(comm: Collectives, codec: Codec, payloads: list[Payload], outs: Sequence[torch.Tensor],
-                received: Callable[[list[Payload]], None] | None, divisor: int, ctx: Context | None = None,
-                keys: Sequence[Hashable] | None = None) -> Job:
+def gather_mean(comm: Collectives, codec: Codec, payloads: Sequence[Payload | SizedEncode],
+                outs: Sequence[torch.Tensor], received: Callable[[list[Payload]], None] | None, divisor: int,
+                ctx: Context | None = None, keys: Sequence[Hashable] | None = None) -> Job:
     """All-gather every rank's payloads (sizes first if they vary), decode each, add them into ``outs`` and divide
-    by ``divisor``. ``received(payloads)`` is called with every rank's payloads (the same on every rank); ``ctx``
-    (the step's :class:`~.context.Context`) hears which rank sent what could not be used, by ``keys``."""
+    by ``divisor``. ``payloads``: this rank's, made, or encodes in two halves (:data:`~.codecs.base.SizedEncode`,
+    whose sizes are read with every other's). ``received(payloads)`` is called with every rank's payloads (the same
+    on every rank); ``ctx`` (the step's :class:`~.context.Context`) hears which rank sent what could not be used, by
+    ``keys``."""
     bad: dict[int, str] = {}
-    gathered, layouts = yield from _gather(comm, codec, payloads, outs[0].device if outs else None, bad)
+    halves = [_ready(p) if isinstance(p, Payload) else p for p in payloads]
+    mine, gathered, layouts = yield from _gather(comm, codec, halves, outs[0].device if outs else None, bad)
     for out in outs:
         out.zero_()
     seen: list[Payload] = []
     divided: set[int] = set()  # outs already divided by W (where anything was added)
     valid: list[torch.Tensor] = []
     if codec.fixed_layout and codec.gathers_stacked and len(gathered) > 1:
-        _add_stacked(codec, payloads, gathered, outs, divisor, seen, divided, valid)
+        _add_stacked(codec, mine, gathered, outs, divisor, seen, divided, valid)
     else:
-        _add_each(codec, payloads, gathered, layouts, outs, seen, valid)
+        _add_each(codec, mine, gathered, layouts, outs, seen, valid)
     if ctx is not None:
         for rank, problem in bad.items():
             flags = torch.ones(comm.world, dtype=torch.bool)
@@ -151,10 +219,9 @@ class GatheredExchange:
 
     def job(self, ctx: Context, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor],
             outs: Sequence[torch.Tensor]) -> Job:
-        """Encodes now; the job is the all-gather and the sum (:func:`gather_mean`)."""
+        """The encodes (in two halves where sizes vary), the all-gather and the sum (:func:`gather_mean`)."""
         codec = self.codec
-        payloads = [ctx.transforms.encode(codec, k, x, [ctx.seed(k, codec)], 1, Aggregation.GATHER)[0]
-                    for k, x in zip(keys, inputs)]
+        payloads = [ctx.transforms.encode_sized(codec, k, x, ctx.seed(k, codec)) for k, x in zip(keys, inputs)]
         return gather_mean(self.comm, codec, payloads, outs,
                            (lambda seen: ctx.check_values(floats(seen))) if self.check else None, ctx.divisor,
                            ctx, keys)
