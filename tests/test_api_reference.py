@@ -38,7 +38,8 @@ SHAPED = {"gradcompress.register_ddp_hook": "gradcompress.adapters.ddp",
           "gradcompress.Payload": "gradcompress.codecs.base", "torchft.ManagedCollectives": "gradcompress.quorum",
           "torchtitan.GradcompressConfig": "gradcompress.integrations.torchtitan",
           "torchtitan.with_gradcompress": "gradcompress.integrations.torchtitan",
-          "optim.OneBitAdam": "gradcompress.optim.onebit_adam"}
+          "optim.OneBitAdam": "gradcompress.optim.onebit_adam",
+          "gradcompress.Compressor": "gradcompress.compressor"}
 #: listed classes and functions without the shape yet (their files were being edited by others)
 NOT_YET: set[str] = set()
 

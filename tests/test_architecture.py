@@ -185,10 +185,20 @@ def test_codec_capabilities_are_declared_not_probed():
     assert probes == []
 
 
+def _docstring_lines(tree: ast.Module) -> set[int]:
+    """The line numbers of the module's, its classes' and functions' docstrings."""
+    return {line for node in ast.walk(tree) if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+            and isinstance(node.body[0].value.value, str)
+            for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
+
+
 def test_the_compressor_is_a_small_face():
-    """compressor.py at most 250 lines, and its __init__ sets at most 12 attributes."""
+    """compressor.py at most 180 lines besides its docstrings (176 when the cap moved off them: the docstrings of the
+    public API carry their examples), and its __init__ sets at most 12 attributes."""
     path = ROOT / "compressor.py"
-    assert len(path.read_text().splitlines()) <= 250
+    text = path.read_text()
+    assert len(text.splitlines()) - len(_docstring_lines(ast.parse(text))) <= 180
     cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Compressor")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     names = {t.attr for node in ast.walk(init) if isinstance(node, ast.Assign) for target in node.targets

@@ -49,6 +49,23 @@ class Compressor:
             Compressor's own.
         coordinator: a callable making the coordinator of the steps from the Compressor (:mod:`gradcompress.terms`;
             :func:`gradcompress.quorum.under`: a torchft Manager's quorum).
+
+    What is sent, its bias and when to use it are the codec's (:func:`gradcompress.available`, docs/codecs.md);
+    error feedback (on by default for biased codecs) sends what a step's codec left out in later steps.
+
+    Example::
+
+        >>> import torch, torch.distributed as dist
+        >>> import gradcompress
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(64, 32)
+        >>> compressor = gradcompress.Compressor("int8", min_numel=0)   # a custom loop's exchange
+        >>> model(torch.randn(8, 64)).pow(2).mean().backward()
+        >>> compressor.synchronize(model.parameters())    # True: every rank's gradient was finite
+        True
+        >>> compressor.stats()["steps"]      # with W > 1, stats()["x_fewer_than_ddp"]: about 4x for int8
+        1
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, spec: Spec, *, process_group: torch.distributed.ProcessGroup | None = None,
