@@ -278,15 +278,28 @@ def blocked_replica(cfg):
     ddp = gft.DistributedDataParallel(manager, net, cfg["spec"])
     comp = ddp.compressor
 
+    inside, left = threading.Event(), threading.Event()  # the hook's wait_quorum called / returned or raised
+    wait_quorum = manager.wait_quorum
+
+    def waiting(*args, **kwargs):
+        inside.set()
+        try:
+            return wait_quorum(*args, **kwargs)
+        finally:
+            left.set()
+
+    manager.wait_quorum = waiting
+
     def read():
-        time.sleep(1.0)
-        times = {}
+        inside.wait(timeout=60)
+        times: dict = {"inside": inside.is_set()}
         for name, fn in (("state_dict", comp.state_dict), ("shared_state_dict", lambda: shared_state(comp)),
                          ("stats", comp.stats)):
             start = time.time()
             fn()
             times[name] = time.time() - start
         times["waiting"] = comp.current_step is None and not comp.coordinator.held  # the step has not begun: inside the wait
+        times["still_inside"] = not left.is_set()  # every read done while the quorum wait is still open
         with open(cfg["log"], "a") as f:
             f.write(json.dumps(times) + "\n")
         os._exit(0)
