@@ -6,10 +6,9 @@ of the registry (``gradcompress.available()``, with its defaults, and a few vari
 ``Compressor.synchronize`` and through the DDP hook, with the CPU's fused kernels off (the path CUDA takes), and
 counts the syncs of each step after the warm-up. A planted ``.item()`` in an encode (``ItemInt8``) must be caught.
 ``threshold`` and ``dgc`` send a data-dependent number of values: every tensor's and rank's size is counted on the
-device and read on the host at once, before their all-gather (one read per exchange: per ``synchronize``, per DDP
-bucket), and the step's verdict needs a second read after it, on what was received: two per ``synchronize`` step,
-one more per further bucket (strict xfail of the one-sync tests; :func:`test_variable_sizes_are_read_once_per_exchange`
-bounds them).
+device and read on the host at once, before their all-gather (one read for every DDP bucket of the step), and the
+step's verdict needs a second read after it, on what was received: two a step (strict xfail of the one-sync tests;
+:func:`test_variable_sizes_are_read_once_per_step` bounds them).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import gradcompress
 import host_syncs_workers as workers
 from gradcompress.codecs import fast
 from gradcompress.codecs.base import run_sized
+from gradcompress.collectives import Done, HostRead, LocalCollectives, drive
 from gradcompress.testbed import launch
 from gradcompress.testbed.host_syncs import HostSyncs
 
@@ -29,8 +29,6 @@ VARIANTS = ["int8:stochastic=true", "topk:ratio=0.01,chunk=4096", "topk:values=i
 SPECS = gradcompress.available() + VARIANTS
 #: variable payload sizes: every rank's sizes are read on the host (once) before the gather, the verdict after it
 VARIABLE = {"threshold", "dgc"}
-#: DDP buckets of the hook's model (host_syncs_workers._hook)
-BUCKETS = 2
 
 X = torch.arange(-4.0, 6.0)
 COUNTED = {
@@ -121,11 +119,11 @@ def test_a_planted_item_is_caught(counted):
 
 
 @pytest.mark.parametrize("spec", sorted(VARIABLE))
-def test_variable_sizes_are_read_once_per_exchange(counted, spec):
-    """One read of every tensor's and rank's size per exchange (a ``synchronize`` call, a DDP bucket) and the
-    step's verdict: no read per tensor (``nonzero``) nor per rank."""
+def test_variable_sizes_are_read_once_per_step(counted, spec):
+    """One read of every tensor's and rank's size a step (DDP's two buckets together) and the step's verdict: no
+    read per tensor (``nonzero``), per rank nor per bucket."""
     steps, hook = _per_step(counted, spec), _per_step(counted, f"hook:{spec}")
-    assert max(steps) <= 2 and max(hook) <= BUCKETS + 1, (counted[0][spec], counted[0][f"hook:{spec}"])
+    assert max(steps) <= 2 and max(hook) <= 2, (counted[0][spec], counted[0][f"hook:{spec}"])
 
 
 # dgc (seed 11): between k/2 and 2k kept (0.02, 0.3), more than 2k at the threshold (0.0005), fewer than k/2 (0.005)
@@ -160,3 +158,23 @@ def _same(got, want):
     assert len(got.tensors) == len(want.tensors) and got.shape == want.shape and got.seed == want.seed
     for a, b in zip(got.tensors, want.tensors):
         assert a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+def _asks(numbers, got):
+    """A job of two rounds whose first asks ``numbers`` read on the host; what it read lands in ``got``."""
+    read = HostRead([torch.tensor(numbers[:1]), torch.tensor(numbers[1:])])
+    yield [Done(), read]
+    got.append(read.result())
+    yield [Done()]
+
+
+def test_the_driver_reads_every_job_s_numbers_at_once():
+    got: list = []
+    with HostSyncs() as syncs:
+        drive([_asks([1, 2, 3], got), _asks([4], got), _asks([5, 6], got)], LocalCollectives(1))
+    assert syncs.count == 1 and sorted(got) == [[1, 2, 3], [4], [5, 6]]
+    with HostSyncs() as syncs:  # a driver that does not know them: each job reads its own
+        got.clear()
+        for works in _asks([7, 8], got):
+            LocalCollectives(1).wait(works)
+    assert syncs.count == 1 and got == [[7, 8]]

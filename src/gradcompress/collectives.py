@@ -261,6 +261,35 @@ class Stopwatch:
         self.seconds += seconds
 
 
+class HostRead:
+    """Integers a job must read on the host once a round's collectives have completed (``parts``: int64 tensors on
+    the device, read back to back), put among that round's works. A driver that knows it (:func:`finish`) reads those
+    of every job it holds at once, one host sync, into :attr:`values`; for any other it is a completed work, and the
+    job reads them itself (:meth:`result`)."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self.parts = list(parts)
+        self.values: list[int] | None = None
+
+    def wait(self) -> bool:
+        return True
+
+    def result(self) -> list[int]:
+        """The integers: read by the driver, or here (a host sync of its own)."""
+        if self.values is None:
+            self.values = torch.cat([p.reshape(-1) for p in self.parts]).tolist()
+        return self.values
+
+
+def read_at_once(reads: Sequence[HostRead]) -> None:
+    """Every read's integers with one host sync."""
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for r in reads for p in r.parts]).tolist()
+    at = 0
+    for r in reads:
+        n = sum(p.numel() for p in r.parts)
+        r.values, at = flat[at : at + n], at + n
+
+
 class Running:
     """A launched job: made from a job, it runs the job to its first round (whose collectives are then in flight).
 
@@ -270,6 +299,7 @@ class Running:
     def __init__(self, job: Job, timer: Stopwatch | None = None) -> None:
         self.job, self.timer = job, timer
         self.works: list | None = None
+        self.held = False  # its round has completed, its host reads (:class:`HostRead`) wait for the others'
         self._resume()
 
     def _resume(self) -> None:
@@ -283,19 +313,42 @@ class Running:
             self.timer.add(time.perf_counter() - start)
 
     def advance(self, comm: Collectives) -> None:
-        if self.works is None:
+        """Wait for the round's works and run the job to its next round; held instead where the round has host
+        reads still to make (:meth:`reads`)."""
+        if self.works is None or self.held:
             return
         comm.wait(self.works)
+        self.held = bool(self.reads())
+        if not self.held:
+            self._resume()
+
+    def reads(self) -> list[HostRead]:
+        """The round's host reads not yet made."""
+        return [w for w in self.works or () if isinstance(w, HostRead) and w.values is None]
+
+    def release(self) -> None:
+        """Resume a held job (its reads made)."""
+        self.held = False
         self._resume()
 
 
 def finish(running: list[Running], comm: Collectives) -> None:
-    """Run launched jobs to completion, round-robin: wait a job's pending works, resume it, next job."""
+    """Run launched jobs to completion, round-robin: wait a job's pending works, resume it, next job. A job whose
+    round asks host reads (:class:`HostRead`) is held until every job left is held: their reads are then made at
+    once (one host sync for all: e.g. every DDP bucket's payload sizes), and they go on."""
     pending = [r for r in running if r.works is not None]
     while pending:
         for r in pending:
             r.advance(comm)
         pending = [r for r in pending if r.works is not None]
+        if pending and all(r.held for r in pending):
+            start = time.perf_counter()
+            read_at_once([h for r in pending for h in r.reads()])
+            if pending[0].timer is not None:
+                pending[0].timer.add(time.perf_counter() - start)
+            for r in pending:
+                r.release()
+            pending = [r for r in pending if r.works is not None]
 
 
 def drive(jobs: list[Job], comm: Collectives, timer: Stopwatch | None = None) -> None:
@@ -412,7 +465,6 @@ class RecordingCollectives(LocalCollectives):
         root.issued = []
 
 
-__all__ = ["Collectives", "Done", "Handle", "Issued", "Job", "LocalCollectives", "RecordingCollectives", "Running",
-           "Stopwatch", "ddp_bytes", "drive",
-           "finish", "floats", "from_bytes", "layout", "nbytes", "one_job", "parallel", "to_bytes", "x_fewer_than_ddp"]
-
+__all__ = ["Collectives", "Done", "Handle", "HostRead", "Issued", "Job", "LocalCollectives", "RecordingCollectives",
+           "Running", "Stopwatch", "ddp_bytes", "drive", "finish", "floats", "from_bytes", "layout", "nbytes",
+           "one_job", "parallel", "read_at_once", "to_bytes", "x_fewer_than_ddp"]

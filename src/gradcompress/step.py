@@ -29,7 +29,8 @@ new state, checks and recycled buffers. New states are held there, never written
   were (a non-finite step leaves every rank's result non-finite: ``GradScaler`` skips it everywhere).
 
 Host synchronisations the algorithm needs (and no others on this path): the finiteness decision at the end
-(one per step), and the payload sizes of variable-size codecs (``threshold``, ``dgc``) before their all-gather.
+(one per step), and the payload sizes of variable-size codecs (``threshold``, ``dgc``) before their all-gather (one
+read for every tensor, rank and bucket of the step: :class:`~gradcompress.collectives.HostRead`).
 """
 
 from __future__ import annotations

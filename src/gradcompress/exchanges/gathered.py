@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload, SizedEncode, run_sized
-from ..collectives import Collectives, Job, floats, from_bytes, layout, to_bytes
+from ..collectives import Collectives, HostRead, Job, floats, from_bytes, layout, to_bytes
 from .context import Context
 
 #: where one payload's tensors lie in a rank's buffer: (dtype, size) of each
@@ -48,8 +48,9 @@ def _gather(comm: Collectives, codec: Codec, encodes: list[SizedEncode], device:
     started = [_start(e) for e in encodes]
     counts, own = _counts(started, device or torch.device("cpu"))
     all_counts, work = comm.all_gather(counts)
-    yield [work]
-    read = torch.cat([own, *all_counts]).tolist()  # the one host read: every rank's sizes, this rank's numbers
+    sizes = HostRead([own, *all_counts])  # this rank's numbers, every rank's sizes: read with every other job's
+    yield [work, sizes]
+    read = sizes.result()
     payloads = _finished(started, read)
     rows = [read[len(own) + r * len(counts) : len(own) + (r + 1) * len(counts)] for r in range(len(all_counts))]
     local = to_bytes([t for p in payloads for t in p.tensors], device)
