@@ -260,13 +260,19 @@ class Scenario:
 
 def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
                      restart_at: int | None = 20, inside: bool = False, lighthouse: str | None = None,
-                     limit: float = 60.0, join_ms: int = 200, **cfg: Any) -> list[dict]:
+                     limit: float = 60.0, join_ms: int = 200, min_replicas: int | None = None,
+                     **cfg: Any) -> list[dict]:
     """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
     fault; ``inside``: in the middle of that step's exchange, after its first collective round) and is restarted
     when the others reach ``restart_at`` (they wait there until it is back, so the run shows the heal; None: not
     restarted). ``join_ms``: the lighthouse's join timeout (how long a quorum waits for a replica that heartbeats
-    but has not asked yet: a slow starter). Returns the log's rows."""
-    s = Scenario(where, lighthouse=lighthouse, limit=limit, join_ms=join_ms, spec=spec, steps=steps,
+    but has not asked yet: a slow starter). ``min_replicas``: the fewest replicas a quorum of the scenario's own
+    lighthouse takes (default: a majority of 3 or more replicas, so that two quorums of one step cannot both form —
+    with 1, a replica that asks after a step's quorum formed trains that step alone, seen under load; 1 for 2
+    replicas, so that a survivor trains on). Returns the log's rows."""
+    if min_replicas is None:
+        min_replicas = replicas // 2 + 1 if replicas >= 3 else 1
+    s = Scenario(where, min_replicas, lighthouse=lighthouse, limit=limit, join_ms=join_ms, spec=spec, steps=steps,
                  replicas=replicas, **cfg)
     try:
         victim = replicas - 1
