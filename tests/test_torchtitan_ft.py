@@ -102,14 +102,18 @@ class Scenario:
             raise
 
     def run(self, kill_at: int, wait_at: int) -> tuple[harness.Run, harness.Run, harness.Run]:
-        """(survivor, killed, restarted): both groups started (group 0 waits before its first step until group 1
-        is about to train its own: a slow start would otherwise leave group 1 asking for a quorum alone while
-        group 0 waits at ``wait_at``, a quorum torchft's lighthouse never forms), group 1 killed once it logged
+        """(survivor, killed, restarted): both groups started, each waiting before its first step until the other
+        is about to train its own (a slow start would otherwise leave one group asking for a quorum alone: group 1
+        alone trained steps 1-2 while group 0 still started, seen under load; or group 1 asking alone while group 0
+        waits at ``wait_at``, a quorum torchft's lighthouse never forms), group 1 killed once it logged
         ``kill_at`` and restarted at once; group 0 waits before its step ``wait_at`` for the restarted group's first
         quorum request."""
         announce, ready = self.root / "restarted", self.root / "killed_ready"
-        survivor = self.launch(0, "survivor", {"TORCHTITAN_TEST_WAIT": f"1:{ready},{wait_at}:{announce}"})
-        first = self.launch(1, "killed", {"TORCHTITAN_TEST_READY": str(ready)})
+        survivor_ready = self.root / "survivor_ready"  # each first group waits for the other's: neither asks alone
+        survivor = self.launch(0, "survivor", {"TORCHTITAN_TEST_WAIT": f"1:{ready},{wait_at}:{announce}",
+                                               "TORCHTITAN_TEST_READY": str(survivor_ready)})
+        first = self.launch(1, "killed", {"TORCHTITAN_TEST_READY": str(ready),
+                                          "TORCHTITAN_TEST_WAIT": f"1:{survivor_ready}"})
         try:
             self.wait_for_step("killed", kill_at, first)
             self.kill("killed", first)

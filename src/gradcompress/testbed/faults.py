@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -104,11 +105,29 @@ def announce_rejoined(directory: str) -> None:
     open(os.path.join(directory, "rejoined"), "w").close()
 
 
-def rendezvous(cfg: dict[str, Any], announce: bool = True) -> None:
+def announce_after_first_quorum(manager: Any, directory: str, after: float = 0.5) -> None:
+    """The survivors waiting for ``directory/rejoined`` go on ``after`` seconds after this replica asked for its
+    first quorum: its request reaches the lighthouse first (were the survivors, the previous quorum, to ask first,
+    the lighthouse would form their quorum at once without it, a "fast quorum", and it would join a step later)."""
+    start = manager.start_quorum
+
+    def start_then_announce(*args: Any, **kwargs: Any) -> Any:
+        out = start(*args, **kwargs)
+        if not os.path.exists(os.path.join(directory, "rejoined")):
+            threading.Timer(after, lambda: open(os.path.join(directory, "rejoined"), "w").close()).start()
+        return out
+
+    manager.start_quorum = start_then_announce
+
+
+def rendezvous(cfg: dict[str, Any], announce: bool = True, manager: Any = None) -> None:
     """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
-    replica announces itself (its Manager heartbeats now) and goes straight to its first quorum."""
+    replica announces itself and goes straight to its first quorum: half a second after it asked for it, given its
+    ``manager``, else once its Manager heartbeats."""
     if cfg.get("restarted"):
-        if announce:
+        if announce and manager is not None:
+            announce_after_first_quorum(manager, cfg["dir"])
+        elif announce:
             announce_rejoined(cfg["dir"])
         return
     open(os.path.join(cfg["dir"], f"ready{cfg['replica']}"), "w").close()
@@ -166,7 +185,7 @@ def replica_main(cfg: dict[str, Any]) -> None:
         kill_inside_exchange(comp, cfg["kill_in_exchange"], cfg["dir"])
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"] + 7919 * cfg.get("seed", 0))
-    rendezvous(cfg)
+    rendezvous(cfg, manager=manager)
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
         if cfg.get("kill_at") == step:
@@ -260,13 +279,14 @@ class Scenario:
 
 def kill_and_restart(where: str, spec: str, *, replicas: int = 3, steps: int = 40, kill_at: int | None = 10,
                      restart_at: int | None = 20, inside: bool = False, lighthouse: str | None = None,
-                     limit: float = 60.0, join_ms: int = 200, min_replicas: int | None = None,
+                     limit: float = 60.0, join_ms: int = 1000, min_replicas: int | None = None,
                      **cfg: Any) -> list[dict]:
     """Train ``replicas`` replicas for ``steps`` steps; the last one SIGKILLs itself at step ``kill_at`` (None: no
     fault; ``inside``: in the middle of that step's exchange, after its first collective round) and is restarted
     when the others reach ``restart_at`` (they wait there until it is back, so the run shows the heal; None: not
     restarted). ``join_ms``: the lighthouse's join timeout (how long a quorum waits for a replica that heartbeats
-    but has not asked yet: a slow starter). ``min_replicas``: the fewest replicas a quorum of the scenario's own
+    but has not asked yet: a slow starter; with 200 ms, two survivors woken by the restarted replica's
+    announcement more than that apart under load split: one was left out of the rejoining quorum). ``min_replicas``: the fewest replicas a quorum of the scenario's own
     lighthouse takes (default: a majority of 3 or more replicas, so that two quorums of one step cannot both form —
     with 1, a replica that asks after a step's quorum formed trains that step alone, seen under load; 1 for 2
     replicas, so that a survivor trains on). Returns the log's rows."""
