@@ -406,24 +406,24 @@ def _outer_lr(value: Any, diloco: int | None) -> float:
     return float(value)
 
 
+def _diloco_choice(key: str, value: Any, diloco: int | None, allowed: tuple[str, ...], what: str,
+                   example: str) -> str:
+    """``key=value`` where ``value`` is one of ``allowed`` (DiLoCo's ``what``), and only next to ``diloco=H``."""
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)} (DiLoCo's {what}), got {value!r}")
+    if diloco is None:
+        raise ValueError(f"{key}={value} is DiLoCo's {what}; give it with diloco=H (e.g. {example}{value})")
+    return str(value)
+
+
 def check_scheme_outer(value: Any, diloco: int | None) -> str:
     """``outer=nesterov|sparseloco``: one of :data:`DILOCO_OUTERS`, and only next to ``diloco=H``."""
-    if value not in DILOCO_OUTERS:
-        raise ValueError(f"outer must be one of {', '.join(DILOCO_OUTERS)} (DiLoCo's outer update), got {value!r}")
-    if diloco is None:
-        raise ValueError(f"outer={value} is DiLoCo's outer update; give it with diloco=H (e.g. "
-                         f"none:diloco=50,outer={value})")
-    return str(value)
+    return _diloco_choice("outer", value, diloco, DILOCO_OUTERS, "outer update", "none:diloco=50,outer=")
 
 
 def check_scheme_inner(value: Any, diloco: int | None) -> str:
     """``inner=task|muon``: one of :data:`DILOCO_INNERS`, and only next to ``diloco=H``."""
-    if value not in DILOCO_INNERS:
-        raise ValueError(f"inner must be one of {', '.join(DILOCO_INNERS)} (DiLoCo's inner optimizer), got {value!r}")
-    if diloco is None:
-        raise ValueError(f"inner={value} is DiLoCo's inner optimizer; give it with diloco=H (e.g. "
-                         f"int2:diloco=100,inner={value})")
-    return str(value)
+    return _diloco_choice("inner", value, diloco, DILOCO_INNERS, "inner optimizer", "int2:diloco=100,inner=")
 
 
 def check_diloco(value: Any) -> int:
