@@ -105,29 +105,20 @@ def announce_rejoined(directory: str) -> None:
     open(os.path.join(directory, "rejoined"), "w").close()
 
 
-def announce_after_first_quorum(manager: Any, directory: str, after: float = 0.5) -> None:
-    """The survivors waiting for ``directory/rejoined`` go on ``after`` seconds after this replica asked for its
-    first quorum: its request reaches the lighthouse first (were the survivors, the previous quorum, to ask first,
-    the lighthouse would form their quorum at once without it, a "fast quorum", and it would join a step later)."""
-    start = manager.start_quorum
-
-    def start_then_announce(*args: Any, **kwargs: Any) -> Any:
-        out = start(*args, **kwargs)
-        if not os.path.exists(os.path.join(directory, "rejoined")):
-            threading.Timer(after, lambda: open(os.path.join(directory, "rejoined"), "w").close()).start()
-        return out
-
-    manager.start_quorum = start_then_announce
+def announce_soon(directory: str, after: float = 0.5) -> None:
+    """``directory/rejoined`` created ``after`` seconds from now, in the background: a restarted replica calls it
+    right after it asked for its first quorum, so that its request reaches the lighthouse before the survivors
+    waiting for that file ask (were the survivors, the previous quorum, to ask first, the lighthouse would form
+    their quorum at once without it, a "fast quorum", and it would join a step later)."""
+    threading.Timer(after, lambda: open(os.path.join(directory, "rejoined"), "w").close()).start()
 
 
-def rendezvous(cfg: dict[str, Any], announce: bool = True, manager: Any = None) -> None:
+def rendezvous(cfg: dict[str, Any], announce: bool = True) -> None:
     """First start: every replica ready before the first quorum (so the first quorum holds them all); a restarted
-    replica announces itself and goes straight to its first quorum: half a second after it asked for it, given its
-    ``manager``, else once its Manager heartbeats."""
+    replica announces itself (its Manager heartbeats now; ``announce=False``: the caller announces) and goes
+    straight to its first quorum."""
     if cfg.get("restarted"):
-        if announce and manager is not None:
-            announce_after_first_quorum(manager, cfg["dir"])
-        elif announce:
+        if announce:
             announce_rejoined(cfg["dir"])
         return
     open(os.path.join(cfg["dir"], f"ready{cfg['replica']}"), "w").close()
@@ -185,7 +176,8 @@ def replica_main(cfg: dict[str, Any]) -> None:
         kill_inside_exchange(comp, cfg["kill_in_exchange"], cfg["dir"])
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"] + 7919 * cfg.get("seed", 0))
-    rendezvous(cfg, manager=manager)
+    rendezvous(cfg, announce=False)
+    unannounced = bool(cfg.get("restarted"))  # a restarted replica announces itself once it asked for a quorum
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
         if cfg.get("kill_at") == step:
@@ -196,6 +188,9 @@ def replica_main(cfg: dict[str, Any]) -> None:
         idx = torch.randint(0, len(x), (cfg.get("batch_size", 32),), generator=gen)
         began = time.time()
         optimizer.zero_grad()  # start_quorum
+        if unannounced:
+            announce_soon(cfg["dir"])
+            unannounced = False
         loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
         loss.backward()
         residuals = {k: float(v.abs().sum()) for k, v in comp.residual.items()}
