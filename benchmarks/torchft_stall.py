@@ -31,7 +31,9 @@ def main() -> None:
             stalls, lost = [], []
             for _ in range(args.repeats):
                 where = tempfile.mkdtemp(prefix="stall-")
-                rows = faults.kill_and_restart(where, spec, steps=20, kill_at=10, restart_at=None, inside=inside)
+                # the lighthouse its result file measured (no restart here: no rejoining quorum to split)
+                rows = faults.kill_and_restart(where, spec, steps=20, kill_at=10, restart_at=None, inside=inside,
+                                               join_ms=200, min_replicas=1)
                 summary = faults.summarize_scenario(rows, 3, faults.killed_at(where))
                 stalls.append(summary["stall_seconds"])
                 lost.append(sum(not r["committed"] for r in rows if r["replica"] < 2))
