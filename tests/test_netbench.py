@@ -222,8 +222,22 @@ def _start_and_wait_for_workers(extra: list[str], timeout: float = 60.0):
         time.sleep(0.2)
     assert proc.poll() is None, proc.stderr.read()
     assert len(workers) == 2 and len(_namespaces_of(proc.pid)) == 3
-    time.sleep(1.0)  # let the workers get going
+    _wait_for_traffic(proc, deadline)  # the workers are exchanging gradients: the run is under way
     return proc, workers
+
+
+def _wait_for_traffic(proc, deadline: float, least: int = 1 << 20) -> None:
+    """Wait until every host's link has sent ``least`` bytes (a few steps' gradients of the tiny model)."""
+    hosts = [n for n in _namespaces_of(proc.pid) if not n.endswith("-br")]
+    sent = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        sent = [int(subprocess.run(["ip", "netns", "exec", ns, "cat",
+                                    f"/sys/class/net/{netns.HOST_IFNAME}/statistics/tx_bytes"],
+                                   capture_output=True, text=True, check=True).stdout) for ns in hosts]
+        if min(sent) >= least:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the workers sent {sent} bytes, not {least} each, before the deadline")
 
 
 @needs_netns
