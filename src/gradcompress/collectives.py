@@ -27,7 +27,7 @@ calibration of a W-rank step's own work).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 from collections.abc import Generator, Iterable, Sequence
 
 import torch
@@ -38,13 +38,14 @@ if TYPE_CHECKING:
     from .codecs.base import Payload
     from .topology import Topology
 
-Job = Generator[list, None, None]
-
 
 class Handle(Protocol):
     """A collective's work handle: ``wait()`` returns once it has completed (torch's ``Work``, :class:`Done`)."""
 
     def wait(self) -> object: ...
+
+
+Job = Generator[list[Handle], None, None]
 
 
 # --------------------------------------------------------------------- the reference: DDP's all-reduce
@@ -128,7 +129,8 @@ class Collectives:
     def all_reduce(self, t: torch.Tensor, monitor: bool = False) -> Handle:
         """``monitor=True``: telemetry's exact average, counted in ``monitor_bytes``, not ``wire_bytes``."""
         self.count_all_reduce(t, monitor)
-        return dist.all_reduce(t, group=self.group, async_op=True)
+        work: Handle = dist.all_reduce(t, group=self.group, async_op=True)  # async_op=True: a Work, never None
+        return work
 
     def count_all_reduce(self, t: torch.Tensor, monitor: bool) -> None:
         """Count an all-reduce of ``t``: in ``monitor_bytes`` (telemetry's) or ``wire_bytes``."""
@@ -183,11 +185,13 @@ class Collectives:
         taken, self._waits = self._waits, ()
         return taken
 
-    def check_same(self, text: str, who: str, extra: object = None) -> list:
+    def check_same(self, text: str, who: str, extra: object = None) -> list[Any]:
         """Raise on every rank unless every rank passes the same ``text`` (a configuration); returns every rank's
         ``extra`` (a small picklable value, e.g. its node), in rank order, gathered in the same round."""
-        pairs: list = [None] * self.world
-        dist.all_gather_object(pairs, (text, extra), group=self.group)
+        # list[Any]: each rank's ``extra``, of whatever type the caller passes (e.g. node keys, str)
+        slots: list[object] = [None] * self.world
+        dist.all_gather_object(slots, (text, extra), group=self.group)
+        pairs = cast("list[tuple[str, Any]]", slots)  # every slot now holds a rank's (text, extra)
         texts = [p[0] for p in pairs]
         if len(set(texts)) > 1:
             lines = "; ".join(f"rank {r}: {c[:300]}" for r, c in enumerate(texts))
@@ -240,7 +244,7 @@ class LocalCollectives(Collectives):
     def wait(self, works: Iterable[Handle]) -> None:
         pass
 
-    def check_same(self, text: str, who: str, extra: object = None) -> list:
+    def check_same(self, text: str, who: str, extra: object = None) -> list[Any]:
         return [extra] * self.world
 
 
@@ -298,7 +302,7 @@ class Running:
 
     def __init__(self, job: Job, timer: Stopwatch | None = None) -> None:
         self.job, self.timer = job, timer
-        self.works: list | None = None
+        self.works: list[Handle] | None = None
         self.held = False  # its round has completed, its host reads (:class:`HostRead`) wait for the others'
         self._resume()
 

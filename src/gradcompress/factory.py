@@ -24,7 +24,7 @@ The process group must be initialised. Library level: imports nothing from :mod:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -36,6 +36,9 @@ from .adapters.fsdp import register_fsdp
 from .compressor import Compressor
 from .optim import CompressedAdam, DeMo, DiLoCo, muon
 from .scheme import AUTO, DECOUPLED, ONEBITADAM, Scheme, diloco_options
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: Compressor options that do not apply under FSDP (``register_fsdp`` compresses each group's buffer whole and keeps
 #: no telemetry); a runner's options may carry them for DDP
@@ -72,7 +75,7 @@ class Run:
     fsdp: bool = False
     per_node: int = 0
     params: str | None = None
-    shard_units: Callable[[nn.Module], list] | None = None
+    shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
     device: torch.device = torch.device("cpu")
     muon: Callable[[nn.Module], torch.optim.Optimizer] | None = None
 
@@ -89,7 +92,7 @@ def build(scheme: Scheme | None, model: nn.Module, run: Run) -> tuple[nn.Module,
     return _ddp(scheme, model, run)
 
 
-def _exchanging(scheme: Scheme, model: nn.Module, run: Run):
+def _exchanging(scheme: Scheme, model: nn.Module, run: Run) -> tuple[nn.Module, Any, Compressor | None]:
     """An optimizer that averages what it needs itself: the bare model, every replica starting from rank 0's."""
     for p in model.parameters():  # identical start everywhere (already so by the seed)
         dist.broadcast(p.data, src=0)
@@ -97,7 +100,7 @@ def _exchanging(scheme: Scheme, model: nn.Module, run: Run):
     return model, kind(model.parameters(), **run.exchanging), None
 
 
-def _diloco(scheme: Scheme, model: nn.Module, run: Run):
+def _diloco(scheme: Scheme, model: nn.Module, run: Run) -> tuple[nn.Module, Any, Compressor | None]:
     """DiLoCo: H local steps of ``run.optimizer`` on the bare model, the outer gradient through the codec."""
     inner = (run.muon or muon)(model) if scheme.inner == "muon" else run.optimizer(model.parameters())
     opt = DiLoCo(model, inner, sync_every=cast(int, scheme.diloco), seed=run.options.get("seed", 0),
@@ -105,17 +108,18 @@ def _diloco(scheme: Scheme, model: nn.Module, run: Run):
     return model, opt, opt.compressor
 
 
-def _sharded(scheme: Scheme | None, model: nn.Module, run: Run):
+def _sharded(scheme: Scheme | None, model: nn.Module, run: Run) -> tuple[nn.Module, Any, Compressor | None]:
     """FSDP2: ``fully_shard`` every shard unit, then the root; compressed unless ``scheme`` is None. HSDP
     (``run.per_node``): compressed, the model sharded over the node's mesh and the replicas' all-reduce through the
     codec; uncompressed, FSDP2's own HSDP over the 2-D mesh."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = _hsdp_mesh(run) if run.per_node else None
-    over = {} if mesh is None else {"mesh": mesh if scheme is None else mesh["shard"]}
+    # fully_shard's own default mesh is None (every rank) where there is no HSDP mesh
+    over = None if mesh is None else (mesh if scheme is None else mesh["shard"])
     for unit in (run.shard_units or units_with_parameters)(model):
-        fully_shard(unit, **over)
-    fully_shard(model, **over)
+        fully_shard(unit, mesh=over)
+    fully_shard(model, mesh=over)
     compressor = None
     if scheme is not None:
         options = {k: v for k, v in run.options.items()
@@ -125,7 +129,7 @@ def _sharded(scheme: Scheme | None, model: nn.Module, run: Run):
     return model, run.optimizer(model.parameters()), compressor
 
 
-def _hsdp_mesh(run: Run):
+def _hsdp_mesh(run: Run) -> DeviceMesh:
     """The 2-D mesh of HSDP: dim 0 ``replicate`` (the nodes), dim 1 ``shard`` (the ``run.per_node`` ranks of a node)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -139,7 +143,7 @@ def units_with_parameters(model: nn.Module) -> list[nn.Module]:
     return [m for m in list(model.modules())[1:] if any(True for _ in m.parameters(recurse=False))]
 
 
-def _ddp(scheme: Scheme | None, model: nn.Module, run: Run):
+def _ddp(scheme: Scheme | None, model: nn.Module, run: Run) -> tuple[nn.Module, Any, Compressor | None]:
     """DistributedDataParallel with the scheme's hook: ours for a codec, PyTorch's for its baselines (powerSGD_hook
     with one bucket: with several it deadlocks on gloo), none for ``ddp`` or no scheme."""
     kind = "ddp" if scheme is None else scheme.kind

@@ -11,7 +11,7 @@ overall and per parameter key, and a short history.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 
@@ -28,13 +28,21 @@ class Written(Protocol):
     def new(self) -> dict[tuple[str, Hashable], torch.Tensor]: ...
 
 
+class Summary(TypedDict):
+    """How far a delivered average is from the exact one (overall, or one key's): a plain dict at run time."""
+
+    relative_error: float
+    cosine: float
+    residual_norm: float | None  # None without error feedback
+
+
 class StepMonitor:
     """The telemetry of one monitored step."""
 
     def __init__(self, ctx: Written) -> None:
         self.ctx = ctx
-        self.refs: dict = {}  # key -> what would have been averaged dense
-        self.rows: dict = {}  # key -> 0-d tensors (err^2, ref^2, dot, out^2, residual^2)
+        self.refs: dict[Hashable, torch.Tensor] = {}  # key -> what would have been averaged dense
+        self.rows: dict[Hashable, torch.Tensor] = {}  # key -> 0-d tensors (err^2, ref^2, dot, out^2, residual^2)
 
     def reference(self, key: Hashable, x: torch.Tensor, grad: torch.Tensor) -> None:
         """Keep ``x`` (a copy where it is the gradient's own storage, which the result overwrites)."""
@@ -69,10 +77,10 @@ class Telemetry:
 
     def __init__(self, error_feedback: bool) -> None:
         self.error_feedback = error_feedback
-        self.last: dict | None = None
+        self.last: dict[str, Any] | None = None
         self.history: list[tuple[int, float, float]] = []
 
-    def _summary(self, err2: float, ref2: float, dot: float, out2: float, res2: float) -> dict:
+    def _summary(self, err2: float, ref2: float, dot: float, out2: float, res2: float) -> Summary:
         return {"relative_error": (err2 / ref2) ** 0.5 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")),
                 "cosine": dot / (ref2 * out2) ** 0.5 if ref2 > 0 and out2 > 0 else (1.0 if err2 == 0 else 0.0),
                 "residual_norm": res2 ** 0.5 if self.error_feedback else None}
@@ -85,8 +93,8 @@ class Telemetry:
         self.last = {"step": index, **overall, "per_parameter": {k: self._summary(*r) for k, r in rows.items()}}
         self.history = (self.history + [(index, overall["relative_error"], overall["cosine"])])[-MONITOR_HISTORY:]
 
-    def stats(self) -> dict | None:
+    def stats(self) -> dict[str, Any] | None:
         return None if self.last is None else {**self.last, "history": list(self.history)}
 
 
-__all__ = ["MONITOR_HISTORY", "StepMonitor", "Telemetry"]
+__all__ = ["MONITOR_HISTORY", "StepMonitor", "Summary", "Telemetry"]

@@ -32,7 +32,7 @@ def _require_initialised(who: str) -> None:
                            "torch.distributed.init_process_group(...) first (or launch with torchrun)")
 
 
-def _tensors_of(model_or_params) -> list[torch.Tensor]:
+def _tensors_of(model_or_params: torch.nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Parameters (and, for a module, buffers) to broadcast, in a fixed order."""
     if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
         model_or_params = model_or_params.module

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 from .codecs.base import Codec
@@ -27,7 +27,8 @@ def ramp_ratio(step: int, ramp_steps: int, ratio: float) -> float:
     """Exponential ramp from 1 (keep all) down to ``ratio`` over ``ramp_steps``."""
     if step >= ramp_steps:
         return ratio
-    return min(1.0, ratio ** (step / ramp_steps))
+    ramped: float = ratio ** (step / ramp_steps)  # a positive ratio to a real power: a float
+    return min(1.0, ramped)
 
 
 def ramp_rank(step: int, ramp_steps: int, rank: int) -> int:
@@ -55,7 +56,8 @@ def codec_at(codec: Codec, step: int, warmup_steps: int, schedule: str | None, r
             rank = ramp_rank(t, ramp_steps, base.rank)
             if rank != own.rank:
                 changes["rank"] = rank
-    return dataclasses.replace(own, **changes) if changes else own
+    at: Codec = dataclasses.replace(own, **changes) if changes else own  # ``own``, its ramped knobs changed
+    return at
 
 
 class Scheduled(Protocol):
@@ -83,7 +85,8 @@ class Plan:
     has a hierarchical layout (the autopilot measures which of the two is faster; FSDP's HSDP replica all-reduce,
     whose layout is the sharding's, is not affected)."""
 
-    def __init__(self, default: Codec | None, per_key: dict | None = None, flat: bool = False) -> None:
+    def __init__(self, default: Codec | None, per_key: Mapping[Hashable, Codec | None] | None = None,
+                 flat: bool = False) -> None:
         self.default, self.per_key, self.flat = default, dict(per_key or {}), flat
 
     def codec(self, key: Hashable) -> Codec | None:
@@ -98,7 +101,7 @@ class Plan:
         """[(codec, positions in ``keys``)], one entry per distinct codec."""
         if not self.per_key:
             return [(self.default, list(range(len(keys))))]
-        out: dict = {}
+        out: dict[str | None, tuple[Codec | None, list[int]]] = {}  # codec spec -> (codec, positions)
         for i, k in enumerate(keys):
             codec = self.codec(k)
             out.setdefault(None if codec is None else codec.spec, (codec, []))[1].append(i)

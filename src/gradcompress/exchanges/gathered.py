@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from ..codecs.base import Aggregation, Codec, Payload, SizedEncode, run_sized
-from ..collectives import Collectives, HostRead, Job, floats, from_bytes, layout, to_bytes
+from ..collectives import Collectives, Handle, HostRead, Job, floats, from_bytes, layout, to_bytes
 from .context import Context
 
 #: where one payload's tensors lie in a rank's buffer: (dtype, size) of each
@@ -33,7 +33,7 @@ def _ready(payload: Payload) -> SizedEncode:
 
 
 def _gather(comm: Collectives, codec: Codec, encodes: list[SizedEncode], device: torch.device | None,
-            bad: dict[int, str]) -> Generator[list[object], None, Gathered]:
+            bad: dict[int, str]) -> Generator[list[Handle], None, Gathered]:
     """Round(s) of the all-gather: yields works, returns (this rank's payloads, every rank's byte buffer, their
     layouts). Variable sizes: every encode's sizes counted on the device, all-gathered in one tensor and read on the
     host once, for every rank and tensor, before the encodes that asked for them finish (:data:`SizedEncode`).

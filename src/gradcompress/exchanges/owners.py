@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..collectives import Collectives, Job
+from ..collectives import Collectives, Handle, Job
 from .context import ChecksApart, Context, all_finite
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def padded(job: Job, rounds: int) -> Job:
 
 
 def gather_node(intra: Collectives, ctx: Context, inner: ChecksApart, values: torch.Tensor,
-                dtype: torch.dtype) -> Generator[list[object], None, torch.Tensor]:
+                dtype: torch.dtype) -> Generator[list[Handle], None, torch.Tensor]:
     """The node's all-gather of this worker's ``values`` and its flag (0 when every check ``inner``, the inner
     exchange's :class:`~.context.ChecksApart`, collected holds, NaN else), in ``dtype``; the step checks the gathered
     buffer (the same on every worker of the node). Returns the gathered buffer, one row per worker."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..codecs.base import Codec, Payload
-from ..collectives import Collectives, Job, from_bytes, layout, parallel, to_bytes
+from ..collectives import Collectives, Handle, Job, from_bytes, layout, parallel, to_bytes
 from .context import Context, all_finite, mix_seed
 from .dense import dense_mean
 from .layout import decode_chunks
@@ -27,7 +27,7 @@ Pieces = tuple[list[torch.Tensor], list[list[tuple[torch.dtype, torch.Size]]]]
 
 
 def _exchange_sizes(comm: Collectives, template: Payload, payloads: list[Payload], parts: list[torch.Tensor],
-                    device: torch.device) -> Generator[list[object], None, Pieces]:
+                    device: torch.device) -> Generator[list[Handle], None, Pieces]:
     """Variable-size payloads: the sizes first, then an uneven all-to-all. Yields works; returns (pieces, layouts)."""
     world = comm.world
     counts = torch.tensor([[t.numel() for t in p.tensors] for p in payloads], dtype=torch.int64, device=device)
