@@ -129,10 +129,10 @@ def test_diloco_replica_killed_between_syncs_heals_at_the_next(scenario):
     """DiLoCo (H = 10, int4) under torchft: replica 2 killed at inner step 15 and restarted; the sync at 20
     averages the two live replicas; the restarted one heals at its first sync (anchor, outer state, counters) and
     every anchor is equal after each sync; the later syncs average all three."""
-    # as in the streaming scenario below: the replacement asks for its quorum 1 s before the survivors go on, so that
-    # the lighthouse does not form theirs without it (their previous quorum: a "fast quorum")
+    # as in the streaming scenario below: the survivors go on once the lighthouse holds the replacement's quorum
+    # request, so that it does not form theirs without it (their previous quorum: a "fast quorum")
     s = scenario(min_replicas=2, kind="diloco", spec="int4", steps=50, sync_every=10, replicas=3, join_ms=5000,
-                 announce_after_quorum=1.0)
+                 announce_once_asked=True)
     first = [s.start(0, pause_at=29), s.start(1, pause_at=29), s.start(2, kill_at=15)]
     s.wait_until(lambda: first[2].poll() is not None, "replica 2 to die")
     s.wait_until(lambda: any(r["replica"] == 0 and r["inner_steps"] >= 20 for r in s.rows()), "the sync at 20")
@@ -158,11 +158,11 @@ def test_streaming_diloco_replica_killed_and_restarted_keeps_training(scenario):
     replica's anchors are equal and the loss is the fault-free run's within 2 %."""
 
     def run(fault: bool) -> list[dict]:
-        # the replacement announces itself 1 s after it asked for its first quorum (announce_after_quorum), and the
+        # the replacement announces itself once the lighthouse holds its first quorum request, and the
         # lighthouse waits up to join_ms for both survivors to ask too (they step once more first), however loaded
         # the machine; limit: each run's 60 steps take 25 to 40 s here, over 60 s on a loaded machine
         s = scenario(min_replicas=2, kind="diloco", spec="int4", steps=60, sync_every=10, replicas=3, fragments=2,
-                     delay=2, join_ms=5000, limit=150, announce_after_quorum=1.0)
+                     delay=2, join_ms=5000, limit=150, announce_once_asked=True)
         if not fault:
             procs = [s.start(i) for i in range(3)]
             s.finish()

@@ -19,21 +19,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from gradcompress.integrations import torchft as gft
 from gradcompress.quorum import shared_state
-from gradcompress.testbed.faults import data, digest, make_manager, model, rendezvous, replica_main, wait_for
+from gradcompress.testbed.faults import announce_once_asked, data, digest, make_manager, model, rendezvous, replica_main, wait_for
 
 
-def _announce_after_first_quorum(manager, directory: str, after: float) -> None:
-    """The survivors waiting for ``directory/rejoined`` go on ``after`` seconds after this replica asked for its
-    first quorum: its request reaches the lighthouse first (were the survivors, the previous quorum, to ask first,
-    the lighthouse would form their quorum at once without it, a "fast quorum", and the replacement's first exchange
-    would pair with their next one and fail). The lighthouse's ``join_ms`` must leave the survivors time to ask."""
+def _announce_after_first_quorum(manager, cfg) -> None:
+    """The survivors waiting for ``rejoined`` go on once the lighthouse holds this replica's first quorum request
+    (``faults.announce_once_asked``): were the survivors, the previous quorum, to ask first, the lighthouse would form
+    their quorum at once without it (a "fast quorum"), and the replacement's first exchange would pair with their
+    next one and fail. The lighthouse's ``join_ms`` must leave the survivors time to ask."""
     start = manager.start_quorum
 
     def start_then_announce(*args, **kwargs):
         out = start(*args, **kwargs)
-        if not os.path.exists(os.path.join(directory, "rejoined")):
-            time.sleep(after)
-            open(os.path.join(directory, "rejoined"), "w").close()
+        if not os.path.exists(os.path.join(cfg["dir"], "rejoined")):
+            announce_once_asked(cfg["dir"], cfg["lighthouse"])
         return out
 
     manager.start_quorum = start_then_announce
@@ -53,11 +52,11 @@ def diloco_replica(cfg):
     log = open(cfg["log"], "a")
     gen = torch.Generator().manual_seed(1000 + cfg["replica"])
     rendezvous(cfg, announce=False)  # a restarted replica announces itself just before its first sync, or with
-    after = cfg.get("announce_after_quorum")  # this, that many seconds after it asked for its first quorum
-    if cfg.get("restarted") and after is not None:
-        _announce_after_first_quorum(manager, cfg["dir"], after)
+    after = cfg.get("announce_once_asked")  # this, once the lighthouse holds its first quorum request
+    if cfg.get("restarted") and after:
+        _announce_after_first_quorum(manager, cfg)
     while opt.inner_steps < cfg["steps"]:
-        if cfg.get("restarted") and after is None and opt.inner_steps + 1 == cfg["sync_every"]:  # first sync next
+        if cfg.get("restarted") and not after and opt.inner_steps + 1 == cfg["sync_every"]:  # first sync next
             open(os.path.join(cfg["dir"], "rejoined"), "w").close()
         if cfg.get("kill_at") == opt.inner_steps:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -105,12 +107,35 @@ def announce_rejoined(directory: str) -> None:
     open(os.path.join(directory, "rejoined"), "w").close()
 
 
-def announce_soon(directory: str, after: float = 0.5) -> None:
-    """``directory/rejoined`` created ``after`` seconds from now, in the background: a restarted replica calls it
-    right after it asked for its first quorum, so that its request reaches the lighthouse before the survivors
-    waiting for that file ask (were the survivors, the previous quorum, to ask first, the lighthouse would form
-    their quorum at once without it, a "fast quorum", and it would join a step later)."""
-    threading.Timer(after, lambda: open(os.path.join(directory, "rejoined"), "w").close()).start()
+def lighthouse_holds_a_request(address: str) -> bool:
+    """Whether torchft's lighthouse at ``address`` holds a quorum request not yet answered, read from its
+    dashboard's ``/status`` page (torchft 0.2 has no call that says so; the page's wording is matched exactly and
+    anything else is an error, not a guess)."""
+    text = urllib.request.urlopen(address.rstrip("/") + "/status", timeout=5).read().decode()
+    waiting = re.search(r"only have (\d+) participants", text)
+    if waiting:
+        return int(waiting.group(1)) > 0
+    if re.search(r"(Valid|Fast) quorum", text):
+        return True  # requests enough for a quorum, about to be answered
+    raise RuntimeError(f"the lighthouse's /status page reads differently than torchft 0.2's: {text[:300]!r}")
+
+
+def announce_once_asked(directory: str, lighthouse: str, timeout: float = 60.0) -> None:
+    """``directory/rejoined`` created, in the background, once the lighthouse holds this restarted replica's first
+    quorum request (the survivors wait for that file, not asking): were the survivors, the previous quorum, to ask
+    first, the lighthouse would form their quorum at once without it (a "fast quorum") and it would join a step
+    later. Call it right after asking (``zero_grad`` under torchft's OptimizerWrapper); the lighthouse's join
+    timeout must leave the survivors time to ask once woken."""
+
+    def announce() -> None:
+        end = time.monotonic() + timeout
+        while not lighthouse_holds_a_request(lighthouse):
+            if time.monotonic() > end:
+                raise TimeoutError(f"the lighthouse at {lighthouse} held no quorum request within {timeout} s")
+            time.sleep(0.01)
+        open(os.path.join(directory, "rejoined"), "w").close()
+
+    threading.Thread(target=announce, daemon=True).start()
 
 
 def rendezvous(cfg: dict[str, Any], announce: bool = True) -> None:
@@ -189,7 +214,7 @@ def replica_main(cfg: dict[str, Any]) -> None:
         began = time.time()
         optimizer.zero_grad()  # start_quorum
         if unannounced:
-            announce_soon(cfg["dir"])
+            announce_once_asked(cfg["dir"], cfg["lighthouse"])
             unannounced = False
         loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
         loss.backward()
