@@ -3,8 +3,9 @@ family's rounds — before, inside and between them, or after the exchange befor
 survivors never crash or hang, stay equal after every step, commit no failed step, and every replacement heals.
 
 Real torchft (its lighthouse on 127.0.0.1), real replica processes, SIGKILL (``gradcompress.testbed.chaos``). The
-points come from a seed per family, printed with any failure so that it can be replayed. The slow lane draws
-``KILLS`` (20) points per family; the fast lane 3 for the gathered family (the one whose survivors crashed)."""
+points come from a seed per family, printed with any failure so that it can be replayed. The slow lane kills once
+at every event of an exchange (``KILLS``, 13, in an order and with steps drawn from the family's seed); the fast
+lane 3 drawn points for the gathered family (the one whose survivors crashed)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("torchft")
 
 from gradcompress.testbed import chaos, netns
 
-KILLS = 20
+KILLS = chaos.EVENTS + 1  # one kill at each event: chaos.draw_every_event
 NETNS_PROBLEM = netns.problem()
 #: the group's timeout in the scenarios (``chaos.run_family``): a hang or a cut is left behind within it + 2 s
 TIMEOUT = 3.0
@@ -41,7 +42,7 @@ def test_top_k_survives_kills_inside_its_gather(tmp_path):
 @pytest.mark.parametrize("family", sorted(chaos.FAMILIES))
 def test_every_family_survives_kills_anywhere(tmp_path, family):
     seed = zlib.crc32(family.encode())
-    kills = chaos.draw(seed, KILLS)
+    kills = chaos.draw_every_event(seed)
     _check(chaos.run_family(str(tmp_path / family), chaos.FAMILIES[family], kills, limit=900), KILLS, seed)
 
 
@@ -53,7 +54,7 @@ def test_diloco_outer_sync_survives_kills_anywhere(tmp_path, mode):
     fragment 0's. (The survivor that died in CI on 2026-12-05 was the scenario's end: a survivor left waiting for a
     quorum its stopped peers never joined; :func:`gradcompress.testbed.chaos._drain`.)"""
     seed = zlib.crc32(mode.encode())
-    kills = chaos.draw(seed, KILLS)
+    kills = chaos.draw_every_event(seed)
     _check(chaos.run_family(str(tmp_path / mode), "int4", kills, mode=mode, limit=900), KILLS, seed)
 
 
