@@ -78,4 +78,8 @@ def _demo_faults(data: dict) -> list[str]:
     return ([f"`gradcompress demo --faults` ({sc['replicas']} replicas, {sc['steps']} steps; loss and accuracy of "
              "replica 0 on the whole data at the end):", ""]
             + table(["scheme", "fault", "loss", "accuracy", "replicas equal", "stall (s)"], rows, right={2, 3, 5})
-            + [""])
+            + ["", "The stall after the kill is the scenario's lighthouse join timeout, 1 s since 2026-12-07 (was 200 "
+               "ms, 0.24 s of stall): the survivors' quorum waits that long for the killed replica, which still "
+               "heartbeats; with 200 ms, two survivors woken apart under load were split in the quorum that takes "
+               "the restarted replica back (`gradcompress.testbed.faults.kill_and_restart`, `join_ms`). The "
+               "stall benchmark above (no restart) runs with a 200 ms join timeout.", ""])
