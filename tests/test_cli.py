@@ -141,7 +141,7 @@ def test_bad_scheme_is_one_line_listing_valid_ones():
     (["train", "--codec", "auto", "--fault-tolerant"], "not supported there"),
     (["train", "--codec", "int8", "--fault-tolerant", "--diloco", "5"], "do not apply"),
     (["demo", "--lm-size", "large"], "sizes the lm task's model (--task lm), not digits"),
-    (["demo", "--task", "lm", "--lm-size", "huge"], "invalid choice"),
+    (["demo", "--task", "lm", "--lm-size", "huge"], "unknown lm model size 'huge'; sizes: small, large, or"),
 ])
 def test_bad_arguments_are_one_line(argv, needle, capsys, tmp_path):
     rc = main(argv + (["--out", str(tmp_path)] if argv[0] == "demo" else []))

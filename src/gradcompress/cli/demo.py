@@ -55,8 +55,8 @@ from .common import (CLIError, check_out_dir, human_bytes, nonnegative_int, posi
                      progress_bars, split_schemes, table_lines)
 from .report import plot
 from .schemes import check, onebitadam_problem
-from ..testbed.lm import SIZES as LM_SIZES
-from .task import TASK_NAMES, TASKS, RunConfig, demo_worker, summarize
+from ..testbed.lm import TEXTS as LM_TEXTS, shape as lm_shape
+from .task import TASK_NAMES, TASKS, LMTask, RunConfig, demo_worker, summarize
 
 DEFAULT_SCHEMES = (
     "none",
@@ -79,7 +79,11 @@ DEFAULT_STEPS = 250
 MONITOR_EVERY = 10
 DEFAULT_OUT = "./gradcompress-report/"
 #: seconds a step may take per scheme before the launch gives up, by the lm task's size (digits: as small)
-LM_STEP_BOUND = {"small": 1.0, "large": 8.0}
+def lm_step_bound(size: str) -> float:
+    """Seconds a step of the lm model of ``size`` may take at most in the timeout: 1 for the small model, scaled by
+    blocks x width^2 x context (8 for the large one)."""
+    s, small = lm_shape(size), lm_shape("small")
+    return max(1.0, (s.layers * s.width ** 2 * s.context) / (small.layers * small.width ** 2 * small.context))
 
 
 # --------------------------------------------------------------------------- arguments
@@ -114,9 +118,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--task", choices=TASK_NAMES, default="digits",
                    help="digits: the MLP on scikit-learn's digits with SGD (default); lm: a byte-level transformer "
                         "on Python's documentation text with AdamW and cosine decay, where compression can fail")
-    p.add_argument("--lm-size", choices=tuple(LM_SIZES), default="small",
-                   help="the lm task's model: small (2 blocks of width 128, 0.47M parameters; default) or large "
-                        "(4 blocks of width 256, 3.3M parameters, about 7x the steps' compute)")
+    p.add_argument("--lm-size", default="small", metavar="SIZE",
+                   help="the lm task's model: small (2 blocks of width 128, context 64, 0.47M parameters; default), "
+                        "large (4 blocks of width 256, 3.3M parameters, about 7x the steps' compute) or any "
+                        "'layers=L,width=W,context=C' (what is left out is small's)")
+    p.add_argument("--lm-text", choices=LM_TEXTS, default="python-docs",
+                   help="the lm task's text: python-docs (Python's documentation topics; default), "
+                        "stdlib-docstrings (the standard library's docstrings) or licenses (the license files of the "
+                        "installed packages)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="minibatch per worker (default 32 digits, 16 windows of 64 bytes for lm)")
     p.add_argument("--lr", type=positive_float, default=None,
@@ -218,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
                          warmup_steps=args.warmup_steps, seed=args.seed, task=args.task,
                          monitor_every=MONITOR_EVERY, eval_every=args.eval_every, lm_size=args.lm_size)
                for s in schemes]
-    data = TASKS[args.task].load(args.seed)
+    if args.lm_text != "python-docs" and args.task != "lm":
+        raise CLIError(f"--lm-text {args.lm_text} is the lm task's text (--task lm), not {args.task}'s")
+    data = LMTask().load(args.seed, args.lm_text) if args.task == "lm" else TASKS[args.task].load(args.seed)
     sizes = (f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test" if args.task == "digits" else
              f"lm: {len(data['train'])} train / {len(data['val'])} validation bytes")
     print(f"gradcompress demo: {len(configs)} schemes x {args.steps} steps on {args.workers} workers "
@@ -226,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with Progress(schemes, args.steps, enabled=not args.no_progress and progress_bars()) as progress:
         per_rank = launch.run(demo_worker, args.workers, data, configs, progress.queue,
-                              timeout=120 + LM_STEP_BOUND[args.lm_size] * args.steps * len(configs))
+                              timeout=120 + lm_step_bound(args.lm_size) * args.steps * len(configs))
     runs = [summarize([r[i] for r in per_rank], cfg, args.workers) for i, cfg in enumerate(configs)]
     wall = time.perf_counter() - start
 
@@ -234,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     print(printable(format_demo(runs, args.workers)))
     result = {
         "gradcompress": __version__,
-        "task": {**_task_info(args.task, data, args.lm_size), "workers": args.workers, "steps": args.steps,
+        "task": {**_task_info(args.task, data, args.lm_size, args.lm_text), "workers": args.workers, "steps": args.steps,
                  "batch_size_per_worker": batch_size, "warmup_steps": args.warmup_steps, "seed": args.seed},
         "wall_seconds": wall,
         "runs": runs,
@@ -263,15 +274,22 @@ def _versus_none(runs: list[dict], task: str) -> None:
                               if base and base["bytes_per_step"] and r["bytes_per_step"] else None)
 
 
-def _task_info(task: str, data: dict, lm_size: str = "small") -> dict:
+#: what results.json calls each lm text
+LM_DATASETS = {"python-docs": "pydoc_data.topics (Python's documentation text), bytes",
+               "stdlib-docstrings": "the standard library's docstrings, bytes",
+               "licenses": "the installed packages' license files, bytes"}
+
+
+def _task_info(task: str, data: dict, lm_size: str = "small", lm_text: str = "python-docs") -> dict:
     """What results.json says about the task: its data set, model and sizes."""
     if task == "lm":
-        blocks, width = LM_SIZES[lm_size]
+        s = lm_shape(lm_size)
         params = sum(p.numel() for p in TASKS["lm"].make_model(RunConfig(task="lm", lm_size=lm_size)).parameters())
-        return {"name": "lm", "dataset": "pydoc_data.topics (Python's documentation text), bytes",
-                "model": f"byte-level transformer, {blocks} blocks, width {width}, context 64 "
+        info = {"name": "lm", "dataset": LM_DATASETS[lm_text],
+                "model": f"byte-level transformer, {s.layers} blocks, width {s.width}, context {s.context} "
                          f"({params / 1e6:.2f}M parameters)", "size": lm_size,
                 "train_bytes": len(data["train"]), "val_bytes": len(data["val"])}
+        return info if lm_text == "python-docs" else {**info, "text": lm_text}
     return {"name": "digits", "dataset": "sklearn digits", "model": "MLP 64-256-256-10",
             "train_examples": len(data["x_train"]), "test_examples": len(data["x_test"])}
 

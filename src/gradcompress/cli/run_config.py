@@ -43,7 +43,7 @@ class TaskSettings:
     size), the seed, the steps and the per-worker batch size."""
 
     task: str = "digits"
-    lm_size: str = "small"  # lm: the model's size (gradcompress.testbed.lm.SIZES)
+    lm_size: str = "small"  # lm: the model's size (gradcompress.testbed.lm.shape)
     hidden: int = 256
     seed: int = 0
     steps: int = 300
@@ -214,10 +214,12 @@ class RunConfig:
         self._check_lm_size()
 
     def _check_lm_size(self) -> None:
-        from ..testbed.lm import SIZES
+        from ..testbed.lm import shape
 
-        if self.lm_size not in SIZES:
-            raise CLIError(f"unknown lm model size {self.lm_size!r}; sizes: {', '.join(SIZES)}")
+        try:
+            shape(self.lm_size)
+        except ValueError as err:
+            raise CLIError(str(err)) from None
         if self.lm_size != "small" and self.task != "lm":
             raise CLIError(f"--lm-size {self.lm_size} sizes the lm task's model (--task lm), not {self.task}'s")
 

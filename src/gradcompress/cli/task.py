@@ -223,10 +223,10 @@ class LMTask:
 
     name = "lm"
 
-    def load(self, seed: int) -> dict[str, torch.Tensor]:
+    def load(self, seed: int, text: str = "python-docs") -> dict[str, torch.Tensor]:
         from ..testbed import lm
 
-        return lm.load_text()
+        return lm.load_text(text=text)
 
     def make_model(self, cfg: RunConfig) -> nn.Module:
         from ..testbed import lm
@@ -236,7 +236,7 @@ class LMTask:
     def batches(self, data: dict[str, torch.Tensor], rank: int, world: int, cfg: RunConfig) -> Windows:
         from ..testbed import lm
 
-        return lm.Windows(data["train"], rank, cfg.batch_size, cfg.seed)
+        return lm.Windows(data["train"], rank, cfg.batch_size, cfg.seed, lm.shape(cfg.lm_size).context)
 
     def optimizer(self, params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
         from ..testbed import lm
