@@ -133,19 +133,21 @@ NETNS_PROBLEM = netns.problem()
 @pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"netbench: {NETNS_PROBLEM}")
 def test_link_drop_on_four_hosts_is_followed():
     """4 namespaced hosts at 1 Gbit/s, the compute-bound CNN; before timed step 15 (step 20) every uplink is
-    reshaped to 100 Mbit/s with tc. auto (checks every 7 steps from step 3, none while a selection measures: the
+    reshaped to 25 Mbit/s with tc (at 100 Mbit/s int4 was predicted only 1.2x faster than dense on this CNN, and a
+    loaded machine's spread kept dense there once in a fresh-clone run: a drop the rule must follow, not a close
+    call). auto (checks every 7 steps from step 3, none while a selection measures: the
     first at 3 ends by step 23) sees the step or its wait move at a check after the drop, probes the new rate,
     decides again and compresses: where it was dense when the link dropped, the probe reads the new rate and it
     decided after the drop; whatever it kept on the fast link, the plan at the end compresses every bucket and most
     of steps 40-49 send less than half of a dense step (a selection may measure dense again)."""
     from gradcompress.testbed.netbench import bench
 
-    result = bench(["auto:every=7"], 4, 1e9, 0.0, "cnn", 45, 5, 32, None, 600, change=(15, 100e6))
+    result = bench(["auto:every=7"], 4, 1e9, 0.0, "cnn", 45, 5, 32, None, 600, change=(15, 25e6))
     row = result["schemes"][0]
     auto, wire = row["auto"], row["step_wire_bytes"]
     dense = 2 * 3 / 4 * 4 * result["params"]  # a dense step's ring-counted bytes
     if wire[15 - 1] > 0.5 * dense and wire[15 - 2] > 0.5 * dense:  # dense when the link dropped: the step moves
-        assert 30e6 < auto["bandwidth_bit"] < 200e6, auto  # the probes see the new rate (payload)
+        assert 7.5e6 < auto["bandwidth_bit"] < 50e6, auto  # the probes see the new rate (payload)
         assert auto["decisions"] >= 2 and auto["decided_at"] >= 5 + 15, auto
     late = sorted(wire[40 - 5:])
     assert late[len(late) // 2] < 0.5 * dense, (wire, dense, row["explain"])  # a re-measured dense block may show

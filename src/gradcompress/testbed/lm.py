@@ -95,14 +95,19 @@ def _stdlib_docstrings() -> str:
 
 
 def _licenses() -> str:
-    """The license files of the installed distributions (``*.dist-info``), each once, in name order."""
+    """The license files of the installed distributions (every one Python can import, a virtual environment's
+    system packages too), each text once, in the order of the distributions' names."""
+    from importlib import metadata
+
     seen, texts = set(), []
-    for folder in sorted({p for key in ("purelib", "platlib") for p in [sysconfig.get_paths()[key]]}):
-        for path in sorted(Path(folder).glob("*.dist-info/**/*")):
-            name = path.name.upper()
-            if path.is_file() and name.startswith(("LICENSE", "LICENCE", "COPYING", "NOTICE")):
-                text = path.read_text(encoding="utf-8", errors="replace")
-                if text not in seen:
+    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        for file in sorted(dist.files or [], key=str):
+            if file.name.upper().startswith(("LICENSE", "LICENCE", "COPYING", "NOTICE")):
+                try:
+                    text = file.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if text and text not in seen:
                     seen.add(text)
                     texts.append(text)
     return "\n\n".join(texts)
