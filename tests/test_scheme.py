@@ -7,6 +7,7 @@ the CLI accepted must keep its meaning exactly.
 
 from __future__ import annotations
 
+import json
 import inspect
 import subprocess
 import sys
@@ -291,14 +292,35 @@ def test_merge_compressor_options_refuses_an_option_given_twice():
 
 
 # --------------------------------------------------------------------------- layering
-@pytest.mark.parametrize("module", ["gradcompress.costmodel", "gradcompress.scheme", "gradcompress.factory",
-                                    "gradcompress.testbed.hosts", "gradcompress.testbed.launch",
-                                    "gradcompress.testbed.netbench"])
-def test_library_modules_do_not_import_the_cli(module):
-    code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith('gradcompress.cli')); "
-            "print(bad); sys.exit(1 if bad else 0)")
+LIBRARY_MODULES = ["gradcompress.costmodel", "gradcompress.scheme", "gradcompress.factory", "gradcompress.testbed.hosts",
+                   "gradcompress.testbed.launch", "gradcompress.testbed.netbench"]
+
+
+@pytest.fixture(scope="module")
+def cli_imported_by() -> dict[str, list[str]]:
+    """For each of LIBRARY_MODULES, the ``gradcompress.cli`` modules in ``sys.modules`` once it is imported, each
+    in a fresh process: one interpreter imports torch, then forks a child per module that imports it and reports."""
+    code = f"""if True:
+        import json, os, sys, torch
+        for module in {LIBRARY_MODULES!r}:
+            pid = os.fork()
+            if pid == 0:
+                __import__(module)
+                print(json.dumps([module, sorted(m for m in sys.modules if m.startswith("gradcompress.cli"))]),
+                      flush=True)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            if status:
+                sys.exit(f"importing {{module}} failed: {{status}}")
+    """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(json.loads(line) for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize("module", LIBRARY_MODULES)
+def test_library_modules_do_not_import_the_cli(cli_imported_by, module):
+    assert cli_imported_by[module] == []
 
 
 # --------------------------------------------------------------------------- the testbed's files
