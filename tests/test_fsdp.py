@@ -136,12 +136,14 @@ def test_two_fsdp_models_with_their_own_compressors_do_not_disturb_each_other():
             assert all(torch.equal(x, y) for x, y in zip(got, ref))
 
 
-FSDP_DIGITS = ["none", "int8", "int4", "topk:ratio=0.01", "sign:momentum=0.9"]
+#: int4 is left out: it rides int8's sharded exchange with fewer levels (its first-step bound is checked on both
+#: world sizes above) and converges with the defaults in tests/test_convergence.py, flat and hierarchical
+FSDP_DIGITS = ["none", "int8", "topk:ratio=0.01", "sign:momentum=0.9"]
 
 
 def test_digits_with_four_fsdp_ranks():
     """SGD lr 0.1, momentum 0.9 (sign: the Compressor's momentum correction, SGD without), library
-    defaults otherwise: int8, int4, top-k 1 % within 2 points of uncompressed FSDP, sign within 3."""
+    defaults otherwise: int8 and top-k 1 % within 2 points of uncompressed FSDP, sign within 3."""
     data = task.load_data(seed=0)
     configs = [task.RunConfig(scheme=s, steps=200, lr=0.1, momentum=0.9, warmup_steps=0, fsdp=True)
                for s in FSDP_DIGITS]

@@ -193,11 +193,12 @@ def test_params_none_is_unchanged_and_param_bytes_are_the_payloads(params_runs):
         assert expected <= 0.26 * dense
 
 
-HSDP_DIGITS = [("none", None), ("int8", None), ("int4", None), ("topk:ratio=0.01", None), ("int8", "int8")]
+#: int4 is left out as in tests/test_fsdp.py: int8's exchange with fewer levels (its two-step bound checked above)
+HSDP_DIGITS = [("none", None), ("int8", None), ("topk:ratio=0.01", None), ("int8", "int8")]
 
 
 def test_digits_as_two_nodes_of_two_with_hsdp():
-    """SGD lr 0.1, momentum 0.9, library defaults otherwise; 200 steps: int8, int4, top-k 1 % and int8 with int8
+    """SGD lr 0.1, momentum 0.9, library defaults otherwise; 200 steps: int8, top-k 1 % and int8 with int8
     parameters within 2 points of dense HSDP."""
     data = task.load_data(seed=0)
     configs = [task.RunConfig(scheme=s, steps=200, lr=0.1, momentum=0.9, warmup_steps=0, fsdp=True, hsdp=2,
