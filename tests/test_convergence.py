@@ -72,7 +72,10 @@ def test_error_feedback_resolved_by_the_codec(summaries):
 #: random-k (unscaled, momentum correction) is left out: on this task it is fragile to the seed in either exchange
 #: (measured at 200 steps: seed 0 flat 96.0 %, hierarchical 91.6 %; seed 1 flat 90.4 %, hierarchical 96.9 %;
 #: uncompressed 96.9 % and 97.6 %), so one seed cannot tell the exchange's effect from the seed's
-HIERARCHICAL = [s for s in SCHEMES if task.scheme_name(s) not in ("randomk", "auto")]  # auto: flat exchanges only
+#: int4 and top-k with int8 values are left out too: between nodes they ride int8's two-step and top-k's gathered
+#: exchange, both in the list (their flat runs above cover their codecs' convergence)
+HIERARCHICAL = [s for s in SCHEMES if task.scheme_name(s) not in ("randomk", "auto", "int4")  # auto: flat only
+                and s != "topk:ratio=0.01,values=int8"]
 
 
 @pytest.fixture(scope="module")
